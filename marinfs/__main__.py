@@ -1,0 +1,3 @@
+from marinfs.cli import main
+
+raise SystemExit(main())

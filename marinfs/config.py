@@ -1,0 +1,106 @@
+"""Mount configuration: one frozen dataclass, defaults in one place, checked by validate()."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from marinfs.errors import UsageError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_cache_dir() -> Path:
+    """Root uses /var/cache/marinfs, everyone else the XDG cache dir."""
+    if os.geteuid() == 0:
+        return Path("/var/cache/marinfs")
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "marinfs"
+
+
+def normalize_remote(remote: str, cwd: str | None = None) -> str:
+    """Normalize a prefix the way Marin does: no trailing '/', no '//', local paths absolute.
+
+    ``s3://b//p/`` -> ``s3://b/p``; ``./data`` -> ``/current/dir/data``; ``file:///x`` -> ``/x``.
+    """
+    remote = remote.strip()
+    if not remote:
+        raise UsageError("the remote prefix is empty")
+    if "://" in remote:
+        scheme, _, rest = remote.partition("://")
+        scheme = scheme.lower()
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+            raise UsageError(f"bad URL scheme in {remote!r}")
+        if scheme in ("file", "local"):
+            return normalize_remote(rest or "/", cwd)
+        rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
+        if not rest:
+            raise UsageError(f"{remote!r} names no bucket")
+        return f"{scheme}://{rest}"
+    path = os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(remote)))
+    return re.sub(r"/{2,}", "/", path)
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything one mount needs. Build it from flags, then call validate()."""
+
+    remote: str
+    mountpoint: str
+    read_only: bool = False
+    allow_other: bool = False
+    uid: int = field(default_factory=os.getuid)
+    gid: int = field(default_factory=os.getgid)
+    file_mode: int = 0o644
+    dir_mode: int = 0o755
+    log_level: str = "info"
+    log_file: str | None = None
+    foreground: bool = False
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
+    metadata_ttl: float = 5.0
+    negative_ttl: float = 1.0
+    # Reads: bytes fetched per remote GET when the reader has no larger hint.
+    read_block: int = 8 * 1024 * 1024
+    # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
+    connect_timeout: float = 30.0
+    read_timeout: float = 120.0
+    retries: int = 5
+    mount_timeout: float = 60.0
+    storage_options: tuple[tuple[str, str], ...] = ()
+
+    def validate(self) -> "MountConfig":
+        if self.log_level not in LOG_LEVELS:
+            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        for name in ("file_mode", "dir_mode"):
+            value = getattr(self, name)
+            if not 0 <= value <= 0o7777:
+                raise UsageError(f"--{name.replace('_', '-')} {oct(value)} is not a permission mode")
+        for name in ("uid", "gid"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name} must be >= 0")
+        for name in ("metadata_ttl", "negative_ttl", "connect_timeout", "read_timeout", "mount_timeout"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name.replace('_', '-')} must be >= 0")
+        if self.retries < 1:
+            raise UsageError("retries must be >= 1")
+        if self.read_block < 64 * 1024:
+            raise UsageError("read block must be at least 64 KiB")
+        return self
+
+
+def parse_mode(text: str) -> int:
+    """Parse an octal permission mode such as ``0644`` or ``755``."""
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise UsageError(f"{text!r} is not an octal mode such as 0644") from None
+
+
+def parse_storage_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"storage option {text!r} is not KEY=VALUE")
+    return key.strip(), value

@@ -1,0 +1,168 @@
+"""Mount lifecycle: checks, foreground serving, background start, unmount."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from marinfs.config import MountConfig
+from marinfs.errors import MountError, UsageError
+from marinfs.mounts import live_mounts
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "marinfs[%(process)d] %(levelname)s %(name)s: %(message)s"
+STORAGE_OPTIONS_ENV = "MARINFS_STORAGE_OPTIONS"  # passed by env, never on a command line
+
+
+def runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        base = Path("/run/marinfs")
+    else:
+        base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/marinfs-{os.getuid()}") / "marinfs"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return base
+
+
+def state_file(mountpoint: str) -> Path:
+    digest = hashlib.sha1(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    return runtime_dir() / f"mount-{digest}.json"
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    if not os.path.lexists(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} does not exist")
+    if os.path.ismount(mountpoint):
+        raise UsageError(f"{mountpoint} is already a mount point")
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} is not a directory")
+
+
+def setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # The binding logs every ENOENT at debug; keep it quiet unless debugging marinfs itself.
+    logging.getLogger("fuse").setLevel(logging.WARNING if level != "debug" else logging.DEBUG)
+
+
+def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
+    from marinfs.fs import Filesystem
+    from marinfs.metadata import MetadataCache
+    from marinfs.remote import Remote
+
+    remote = Remote(cfg.remote, dict(cfg.storage_options))
+    remote.check()
+    cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(cfg.cache_dir, 0o700)
+    metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl)
+    return Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
+                      read_only=cfg.read_only, read_block=cfg.read_block)
+
+
+def run_foreground(cfg: MountConfig) -> None:
+    """Check everything, then serve the mount until it is unmounted or signalled."""
+    setup_logging(cfg.log_level, cfg.log_file)
+    check_mountpoint(cfg.mountpoint)
+    fs = build_filesystem(cfg)
+    from marinfs.fuse_ops import FuseAdapter, serve
+
+    adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode)
+    state = state_file(cfg.mountpoint)
+    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote,
+                                 "mountpoint": cfg.mountpoint, "log_file": cfg.log_file}))
+    log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
+    try:
+        serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
+              allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),
+              negative_timeout=min(cfg.negative_ttl, 1.0))
+    except RuntimeError as exc:
+        raise MountError(f"FUSE could not mount {cfg.mountpoint} (libfuse said {exc})") from None
+    finally:
+        state.unlink(missing_ok=True)
+    log.info("unmounted %s", cfg.mountpoint)
+
+
+def start_background(cfg: MountConfig) -> Path:
+    """Start a foreground daemon detached from us; return once the mount is live."""
+    check_mountpoint(cfg.mountpoint)
+    from marinfs.remote import Remote
+
+    Remote(cfg.remote, dict(cfg.storage_options)).check()  # bad input fails here, exit code 2
+    log_file = Path(cfg.log_file) if cfg.log_file else state_file(cfg.mountpoint).with_suffix(".log")
+    argv = [sys.executable, "-m", "marinfs", "mount", cfg.remote, cfg.mountpoint, "--foreground",
+            "--uid", str(cfg.uid), "--gid", str(cfg.gid), "--file-mode", oct(cfg.file_mode),
+            "--dir-mode", oct(cfg.dir_mode), "--log-level", cfg.log_level,
+            "--cache-dir", str(cfg.cache_dir), "--metadata-ttl", str(cfg.metadata_ttl),
+            "--negative-ttl", str(cfg.negative_ttl)]
+    argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
+    env = dict(os.environ)
+    env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))
+    with open(log_file, "ab") as out:
+        os.chmod(log_file, 0o600)
+        start = out.tell()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + cfg.mount_timeout
+    while time.monotonic() < deadline:
+        if os.path.ismount(cfg.mountpoint):
+            return log_file
+        if proc.poll() is not None:
+            raise MountError(_failure_reason(log_file, start) or
+                             f"the daemon exited with code {proc.returncode}; see {log_file}")
+        time.sleep(0.05)
+    proc.terminate()
+    raise MountError(f"{cfg.mountpoint} was not mounted within {cfg.mount_timeout:g} s; see {log_file}")
+
+
+def _failure_reason(log_file: Path, start: int) -> str | None:
+    with open(log_file, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        if line.startswith("marinfs: error: "):
+            return line[len("marinfs: error: "):]
+    for line in reversed(lines):
+        if line.strip().startswith("fuse:") or "fusermount" in line:
+            return line.strip()
+    return None
+
+
+def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
+    """Unmount a marinfs mount and wait for its daemon to finish (it commits what is open)."""
+    mountpoint = os.path.abspath(mountpoint)
+    if mountpoint not in {e.mountpoint for e in live_mounts()}:
+        raise UsageError(f"{mountpoint} is not a marinfs mount")
+    pid = None
+    state = state_file(mountpoint)
+    if state.exists():
+        pid = json.loads(state.read_text()).get("pid")
+    tool = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
+    result = subprocess.run([tool, "-u", *(["-z"] if lazy else []), mountpoint],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        raise MountError(f"cannot unmount {mountpoint}: {reason}")
+    if pid:
+        deadline = time.monotonic() + timeout
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise MountError(f"{mountpoint} is unmounted but daemon {pid} is still running")
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+

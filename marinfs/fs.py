@@ -1,0 +1,428 @@
+"""The filesystem in plain Python types, usable and tested without FUSE.
+
+Paths are the FUSE adapter's absolute paths (``/a/b``); keys are the remote's relative ones
+(``a/b``). Every method raises an OSError subclass on failure; the adapter maps it to errno.
+Locking: ``_lock`` guards only the handle and staging tables and is never held across remote
+I/O; a staged file has its own lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import posixpath
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cachetools import LRUCache
+
+from marinfs.errors import FsError
+from marinfs.metadata import MetadataCache
+from marinfs.reader import ObjectReader
+from marinfs.remote import ObjectInfo, Remote
+from marinfs.writer import StagedFile
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+ROOT = ObjectInfo(name="", is_dir=True)
+
+
+@dataclass
+class Handle:
+    """One open file description."""
+
+    key: str
+    flags: int
+    info: ObjectInfo | None  # what the remote had at open time (None for a new file)
+    staged: StagedFile | None = None  # set for handles that may write
+    reader: ObjectReader | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def append(self) -> bool:
+        return bool(self.flags & os.O_APPEND)
+
+
+def key_of(path: str) -> str:
+    """``/a/b`` -> ``a/b``; rejects names longer than NAME_MAX bytes, like a local disk."""
+    key = path.strip("/")
+    if key:
+        for part in key.split("/"):
+            if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG, part[:40] + "...")
+            if part in (".", ".."):
+                raise FsError(errno.EINVAL, f"bad path component {part!r}")
+    return key
+
+
+class Filesystem:
+    """POSIX operations over a :class:`Remote`, with a metadata cache and staged writes."""
+
+    def __init__(self, remote: Remote, staging_dir: Path, metadata: MetadataCache | None = None,
+                 read_only: bool = False, read_block: int = 8 << 20) -> None:
+        self.remote = remote
+        self.metadata = metadata or MetadataCache()
+        self.staging_dir = staging_dir
+        self.read_only = read_only
+        self.read_block = read_block
+        self._lock = threading.Lock()
+        self._handles: dict[int, Handle] = {}
+        self._staged: dict[str, StagedFile] = {}
+        self._own_mtimes: LRUCache[str, tuple[str, int]] = LRUCache(maxsize=65536)
+        self._next_fh = itertools.count(1)
+
+    # -- lookups -------------------------------------------------------------------------------
+    def lookup(self, key: str) -> ObjectInfo:
+        """The metadata of ``key``: our own staged writes first, then the cache, then the remote."""
+        if not key:
+            return ROOT
+        staged = self._staged.get(key)
+        if staged is not None:
+            return ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+        info = self.metadata.get_stat(key)
+        if info is not None:
+            return info
+        if self.metadata.is_missing(key):
+            raise FileNotFoundError(errno.ENOENT, "no such file", key)
+        try:
+            info = self.remote.stat(key)
+        except FileNotFoundError:
+            self.metadata.put_missing(key)
+            raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
+        self.metadata.put_stat(info)
+        return info
+
+    def _lookup_or_none(self, key: str) -> ObjectInfo | None:
+        try:
+            return self.lookup(key)
+        except FileNotFoundError:
+            return None
+
+    def _require_dir(self, key: str) -> None:
+        if not self.lookup(key).is_dir:
+            raise FsError(errno.ENOTDIR, key)
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise FsError(errno.EROFS)
+
+    def getattr(self, path: str) -> ObjectInfo:
+        return self._present(self.lookup(key_of(path)))
+
+    def readdir(self, path: str) -> list[ObjectInfo]:
+        key = key_of(path)
+        if not self.lookup(key).is_dir:
+            raise FsError(errno.ENOTDIR, key)
+        children = self.metadata.get_listing(key)
+        if children is None:
+            children = self.remote.list(key)
+            self.metadata.put_listing(key, children)
+        names = {posixpath.basename(c.name) for c in children}
+        with self._lock:
+            pending = [s for k, s in self._staged.items() if posixpath.dirname(k) == key]
+        for staged in pending:  # new files not committed yet are ours to show
+            name = posixpath.basename(staged.key)
+            if name not in names:
+                children.append(ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(),
+                                           mtime_ns=staged.mtime_ns))
+        return [self._present(c) for c in children]
+
+    def statfs(self) -> dict[str, int]:
+        # Object stores have no capacity; report a large, stable figure so df and cp proceed.
+        blocks = 1 << 32
+        return {"f_bsize": 1 << 20, "f_frsize": 4096, "f_blocks": blocks, "f_bfree": blocks,
+                "f_bavail": blocks, "f_files": 1 << 32, "f_ffree": 1 << 32, "f_namemax": NAME_MAX}
+
+    def access(self, path: str, mode: int) -> None:
+        self.lookup(key_of(path))
+        if mode & os.W_OK and self.read_only:
+            raise FsError(errno.EROFS)
+
+    def set_attributes(self, path: str) -> None:
+        """chmod/chown/utimens: accepted so ``cp -p`` and ``rsync -a`` work; nothing is stored."""
+        self.lookup(key_of(path))
+
+    # -- open files ----------------------------------------------------------------------------
+    def _acquire_staged(self, key: str, info: ObjectInfo | None, truncate: bool) -> StagedFile:
+        with self._lock:
+            staged = self._staged.get(key)
+            if staged is None:
+                if info is None or truncate or info.size == 0:
+                    staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
+                                        dirty=info is None or (truncate and info.size > 0))
+                else:
+                    staged = StagedFile(self.staging_dir, key, base_size=info.size,
+                                        seed=lambda local: self.remote.download(key, local))
+                self._staged[key] = staged
+                truncate = False
+            staged.refs += 1
+        if truncate:
+            staged.truncate(0)
+        return staged
+
+    def _release_staged(self, staged: StagedFile) -> None:
+        with self._lock:
+            staged.refs -= 1
+            if staged.refs > 0:
+                return
+        try:
+            # Normally flush committed already; this catches writes that raced the last close.
+            self._commit(staged)
+        except Exception:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
+            log.exception("commit of %s at release failed", staged.key)
+        with self._lock:
+            if staged.refs > 0:
+                return  # reopened meanwhile
+            if self._staged.get(staged.key) is staged:
+                del self._staged[staged.key]
+        staged.discard()
+
+    def _new_handle(self, handle: Handle) -> int:
+        with self._lock:
+            fh = next(self._next_fh)
+            self._handles[fh] = handle
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def open(self, path: str, flags: int) -> int:
+        key = key_of(path)
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable or flags & os.O_TRUNC:
+            self._writable()
+        info = self.lookup(key)
+        if info.is_dir:
+            raise FsError(errno.EISDIR, key)
+        staged = self._acquire_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
+        return self._new_handle(Handle(key=key, flags=flags, info=info, staged=staged))
+
+    def create(self, path: str, flags: int) -> int:
+        self._writable()
+        key = key_of(path)
+        existing = self._lookup_or_none(key)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST, key)
+            return self.open(path, flags)
+        self._require_dir(posixpath.dirname(key))
+        self.metadata.invalidate(key)
+        staged = self._acquire_staged(key, None, truncate=False)
+        return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
+
+    def read(self, fh: int, size: int, offset: int) -> bytes:
+        handle = self._handle(fh)
+        staged = handle.staged or self._staged.get(handle.key)
+        if staged is not None:
+            return staged.read(size, offset)
+        reader = handle.reader
+        if reader is None:
+            assert handle.info is not None
+            key = handle.key
+            reader = handle.reader = ObjectReader(
+                handle.info.size, lambda start, end: self.remote.read_range(key, start, end),
+                block=self.read_block)
+        return reader.read(size, offset)
+
+    def write(self, fh: int, data: bytes, offset: int) -> int:
+        handle = self._handle(fh)
+        if handle.staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        return handle.staged.write(data, None if handle.append else offset)
+
+    def flush(self, fh: int) -> None:
+        """Commit on close: returns only once the remote has the bytes, or raises its error."""
+        handle = self._handle(fh)
+        if handle.staged is not None:
+            self._commit(handle.staged)
+
+    fsync = flush
+
+    def _commit(self, staged: StagedFile) -> None:
+        if not staged.dirty or staged.unlinked:
+            return
+        staged.commit(self.remote.upload)
+        self.metadata.invalidate(staged.key)
+        # Learn the committed object's own metadata (version, timestamp) now: a listing will
+        # report the same, so tools that compare stats (tar) never see a change that was not.
+        try:
+            info = self.remote.stat(staged.key)
+        except FileNotFoundError:
+            return  # unlinked or renamed meanwhile by someone else
+        # The kernel may still hold the writer's mtime for a moment: keep showing it for the
+        # version we wrote, so tools that compare stats (tar) do not see a change that was not.
+        if info.version:
+            with self._lock:
+                self._own_mtimes[staged.key] = (info.version, staged.mtime_ns)
+        self.metadata.put_stat(info)
+
+    def _present(self, info: ObjectInfo) -> ObjectInfo:
+        own = self._own_mtimes.get(info.name) if not info.is_dir else None
+        if own is not None and own[0] == info.version and own[1] != info.mtime_ns:
+            return replace(info, mtime_ns=own[1])
+        return info
+
+    def release(self, fh: int) -> None:
+        with self._lock:
+            handle = self._handles.pop(fh, None)
+        if handle is not None and handle.staged is not None:
+            self._release_staged(handle.staged)
+
+    def truncate(self, path: str, length: int, fh: int | None = None) -> None:
+        self._writable()
+        if length < 0:
+            raise FsError(errno.EINVAL)
+        if fh is not None:
+            handle = self._handle(fh)
+            if handle.staged is None:
+                raise FsError(errno.EBADF, "file not open for writing")
+            handle.staged.truncate(length)
+            return
+        key = key_of(path)
+        info = self.lookup(key)
+        if info.is_dir:
+            raise FsError(errno.EISDIR, key)
+        staged = self._acquire_staged(key, info, truncate=False)
+        try:
+            staged.truncate(length)
+            self._commit(staged)
+        finally:
+            self._release_staged(staged)
+
+    # -- namespace -----------------------------------------------------------------------------
+    def unlink(self, path: str) -> None:
+        self._writable()
+        key = key_of(path)
+        if self.lookup(key).is_dir:
+            raise FsError(errno.EISDIR, key)
+        with self._lock:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                staged.unlinked = True  # open handles keep working; nothing is committed
+        try:
+            self.remote.delete(key)
+        except FileNotFoundError:
+            if staged is None:
+                raise
+        finally:
+            self.metadata.invalidate(key)
+
+    def mkdir(self, path: str) -> None:
+        self._writable()
+        key = key_of(path)
+        if not key or self._lookup_or_none(key) is not None:
+            raise FsError(errno.EEXIST, key)
+        self._require_dir(posixpath.dirname(key))
+        self.remote.make_dir(key)
+        self.metadata.invalidate(key)
+        self.metadata.put_stat(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns()))
+
+    def rmdir(self, path: str) -> None:
+        self._writable()
+        key = key_of(path)
+        if not key:
+            raise FsError(errno.EBUSY, "cannot remove the mount root")
+        info = self._lookup_or_none(key)
+        if info is None:
+            raise FsError(errno.ENOENT, key)
+        if not info.is_dir:
+            raise FsError(errno.ENOTDIR, key)
+        self._check_empty(key)
+        self.remote.remove_dir(key)
+        self.metadata.invalidate_tree(key)
+
+    def _check_empty(self, key: str) -> None:
+        try:
+            children = self.remote.list(key)
+        except FileNotFoundError:
+            # An implicit directory vanishes with its last object: removing it is a success.
+            children = []
+        prefix = key + "/"
+        with self._lock:
+            pending = any(k.startswith(prefix) for k in self._staged)
+        if children or pending:
+            raise FsError(errno.ENOTEMPTY, key)
+
+    def rename(self, old: str, new: str) -> None:
+        self._writable()
+        src, dst = key_of(old), key_of(new)
+        if src == dst:
+            return
+        if not src or dst.startswith(src + "/"):
+            raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
+        info = self.lookup(src)
+        target = self._lookup_or_none(dst)
+        self._require_dir(posixpath.dirname(dst))
+        if info.is_dir:
+            if target is not None and not target.is_dir:
+                raise FsError(errno.ENOTDIR, dst)
+            if target is not None:
+                self._check_empty(dst)
+                self.remote.remove_dir(dst)
+            self._rename_dir(src, dst)
+        else:
+            if target is not None and target.is_dir:
+                raise FsError(errno.EISDIR, dst)
+            self._rename_file(src, dst)
+        self.metadata.invalidate_tree(src)
+        self.metadata.invalidate_tree(dst)
+
+    def _move_staged(self, src: str, dst: str) -> None:
+        """Open staged files follow their rename, so later writes commit under the new name."""
+        with self._lock:
+            moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
+            for k in moving:
+                staged = self._staged.pop(k)
+                staged.key = dst + k[len(src):]
+                self._staged[staged.key] = staged
+
+    def _rename_file(self, src: str, dst: str) -> None:
+        staged = self._staged.get(src)
+        if staged is not None:
+            self._commit(staged)  # the remote must hold the bytes we are about to move
+        self.remote.rename(src, dst)
+        self._move_staged(src, dst)
+
+    def _rename_dir(self, src: str, dst: str) -> None:
+        with self._lock:
+            pending = [s for k, s in self._staged.items() if k.startswith(src + "/")]
+        for staged in pending:
+            self._commit(staged)
+        if self.remote.hierarchical:
+            self.remote.rename(src, dst)
+        else:
+            # Not atomic: every object is copied, then the originals are deleted (documented).
+            files, dirs = self.remote.walk(src)
+            self.remote.make_dir(dst)
+            for d in sorted(dirs):
+                self.remote.make_dir(dst + d[len(src):])
+            for f in files:
+                self.remote.copy(f, dst + f[len(src):])
+            for f in files:
+                self.remote.delete(f)
+            for d in sorted(dirs, reverse=True):
+                self.remote.remove_dir(d)
+            self.remote.remove_dir(src)
+        self._move_staged(src, dst)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close_all(self) -> None:
+        """Release every handle (unmount): commits what can be committed, keeps the rest."""
+        with self._lock:
+            fhs = list(self._handles)
+        for fh in fhs:
+            handle = self._handles.get(fh)
+            if handle is not None and handle.staged is not None:
+                try:
+                    self._commit(handle.staged)
+                except Exception:  # noqa: BLE001 - the bytes stay staged; discard() says where
+                    log.exception("commit of %s failed at unmount", handle.key)
+            self.release(fh)

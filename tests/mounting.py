@@ -1,0 +1,150 @@
+"""Real mounts for tests: a subprocess daemon (what users run) and an in-process one (fast).
+
+Every mount is unmounted on exit, even when the test failed: a stale FUSE mount hangs
+anything that touches it. Only processes we started are stopped, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+MARINFS = [sys.executable, "-m", "marinfs"]
+
+
+@dataclass
+class Mounted:
+    """A live mount plus a direct fsspec client of the same prefix, to check what the remote holds."""
+
+    mnt: Path
+    url: str
+    fs: Any
+    root: str
+    cache_dir: Path
+    pid: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def remote_path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def remote_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.remote_path(rel))
+
+    def remote_exists(self, rel: str) -> bool:
+        return self.fs.exists(self.remote_path(rel))
+
+    def put_remote(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(self.remote_path(rel), data)
+
+
+def force_unmount(mnt: Path) -> None:
+    """Unmount, lazily if busy; never leaves a mount behind."""
+    for args in (["-u"], ["-u", "-z"]):
+        if not os.path.ismount(mnt):
+            return
+        subprocess.run(["fusermount3", *args, str(mnt)], capture_output=True, timeout=60)
+        for _ in range(100):
+            if not os.path.ismount(mnt):
+                return
+            time.sleep(0.05)
+
+
+def _stop_pid(pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def subprocess_mount(url: str, mnt: Path, cache_dir: Path, *extra: str,
+                     env: dict[str, str] | None = None, storage_options: dict | None = None,
+                     ) -> Iterator[int]:
+    """``marinfs mount`` exactly as a user runs it (background); yields the daemon PID."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    args = [*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache_dir), *extra]
+    for key, value in (storage_options or {}).items():
+        args += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+    result = subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=120)
+    try:
+        assert result.returncode == 0, f"mount failed: {result.stderr}"
+        assert os.path.ismount(mnt)
+        pid = daemon_pid(mnt)
+        try:
+            yield pid
+        finally:
+            subprocess.run([*MARINFS, "umount", str(mnt), "--timeout", "60"], capture_output=True,
+                           env=full_env, timeout=120)
+            force_unmount(mnt)
+            _stop_pid(pid)
+    finally:
+        force_unmount(mnt)
+
+
+def daemon_pid(mnt: Path) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from marinfs.daemon import state_file
+
+    return int(json.loads(state_file(str(mnt)).read_text())["pid"])
+
+
+@contextlib.contextmanager
+def inprocess_mount(url: str, mnt: Path, cache_dir: Path, **fs_kwargs: Any) -> Iterator[Any]:
+    """Serve the mount from a thread of this process; yields the core Filesystem."""
+    from marinfs.fs import Filesystem
+    from marinfs.fuse_ops import FuseAdapter, serve
+    from marinfs.metadata import MetadataCache
+    from marinfs.remote import Remote
+
+    mnt.mkdir(parents=True, exist_ok=True)
+    remote = Remote(url)
+    fs = Filesystem(remote, staging_dir=cache_dir / "staging",
+                    metadata=MetadataCache(ttl=fs_kwargs.pop("metadata_ttl", 5.0)), **fs_kwargs)
+    adapter = FuseAdapter(fs, os.getuid(), os.getgid(), 0o644, 0o755)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(adapter, str(mnt), fsname=url, read_only=fs.read_only, allow_other=False,
+                  attr_timeout=1.0, negative_timeout=0.0)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"fuse-{mnt.name}", daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if os.path.ismount(mnt) or errors:
+                break
+            time.sleep(0.025)
+        assert os.path.ismount(mnt), f"in-process mount failed: {errors}"
+        yield fs
+    finally:
+        force_unmount(mnt)
+        thread.join(timeout=30)
+        # libfuse replaced the process's signal handlers; give Ctrl-C back to pytest.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def fsspec_client(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
+    return fs, root.rstrip("/")
