@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metadata-ttl", type=float, default=5.0, help="seconds a stat or listing is trusted")
     m.add_argument("--negative-ttl", type=float, default=1.0, help="seconds a 'does not exist' is trusted")
     m.add_argument("--mount-timeout", type=float, default=60.0)
+    m.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to connect to the remote")
+    m.add_argument("--read-timeout", type=float, default=120.0, help="seconds a remote response may stall")
+    m.add_argument("--retries", type=int, default=5, help="attempts per remote call (transient errors)")
     m.add_argument("-o", "--storage-option", action="append", default=[], type=parse_storage_option,
                    metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
 
@@ -86,6 +89,7 @@ def _mount_config(ns: argparse.Namespace) -> MountConfig:
         log_file=os.path.abspath(ns.log_file) if ns.log_file else None, foreground=ns.foreground,
         cache_dir=(ns.cache_dir or default_cache_dir()).absolute(), metadata_ttl=ns.metadata_ttl,
         negative_ttl=ns.negative_ttl, mount_timeout=ns.mount_timeout,
+        connect_timeout=ns.connect_timeout, read_timeout=ns.read_timeout, retries=ns.retries,
         storage_options=tuple(sorted(options.items())),
     ).validate()
 

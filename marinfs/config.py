@@ -44,6 +44,17 @@ def normalize_remote(remote: str, cwd: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
+class RemoteSettings:
+    """Bounds on every remote call, so a wedged request fails instead of hanging a syscall."""
+
+    connect_timeout: float = 30.0
+    read_timeout: float = 120.0
+    attempts: int = 5
+    backoff_base: float = 0.25
+    backoff_max: float = 10.0
+
+
+@dataclass(frozen=True)
 class MountConfig:
     """Everything one mount needs. Build it from flags, then call validate()."""
 
@@ -71,6 +82,10 @@ class MountConfig:
     mount_timeout: float = 60.0
     storage_options: tuple[tuple[str, str], ...] = ()
 
+    def remote_settings(self) -> RemoteSettings:
+        return RemoteSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                              attempts=self.retries)
+
     def validate(self) -> "MountConfig":
         if self.log_level not in LOG_LEVELS:
             raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
@@ -85,7 +100,7 @@ class MountConfig:
             if getattr(self, name) < 0:
                 raise UsageError(f"{name.replace('_', '-')} must be >= 0")
         if self.retries < 1:
-            raise UsageError("retries must be >= 1")
+            raise UsageError("--retries must be >= 1")
         if self.read_block < 64 * 1024:
             raise UsageError("read block must be at least 64 KiB")
         return self
@@ -101,6 +116,7 @@ def parse_mode(text: str) -> int:
 
 def parse_storage_option(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
+    key = key.strip()
     if not sep or not key:
         raise UsageError(f"storage option {text!r} is not KEY=VALUE")
-    return key.strip(), value
+    return key, value

@@ -59,7 +59,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     from marinfs.metadata import MetadataCache
     from marinfs.remote import Remote
 
-    remote = Remote(cfg.remote, dict(cfg.storage_options))
+    remote = Remote(cfg.remote, dict(cfg.storage_options), cfg.remote_settings())
     remote.check()
     cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(cfg.cache_dir, 0o700)
@@ -96,13 +96,15 @@ def start_background(cfg: MountConfig) -> Path:
     check_mountpoint(cfg.mountpoint)
     from marinfs.remote import Remote
 
-    Remote(cfg.remote, dict(cfg.storage_options)).check()  # bad input fails here, exit code 2
+    # Bad input (URL, bucket, endpoint, credentials) fails here with exit code 2.
+    Remote(cfg.remote, dict(cfg.storage_options), cfg.remote_settings()).check()
     log_file = Path(cfg.log_file) if cfg.log_file else state_file(cfg.mountpoint).with_suffix(".log")
     argv = [sys.executable, "-m", "marinfs", "mount", cfg.remote, cfg.mountpoint, "--foreground",
             "--uid", str(cfg.uid), "--gid", str(cfg.gid), "--file-mode", oct(cfg.file_mode),
             "--dir-mode", oct(cfg.dir_mode), "--log-level", cfg.log_level,
             "--cache-dir", str(cfg.cache_dir), "--metadata-ttl", str(cfg.metadata_ttl),
-            "--negative-ttl", str(cfg.negative_ttl)]
+            "--negative-ttl", str(cfg.negative_ttl), "--connect-timeout", str(cfg.connect_timeout),
+            "--read-timeout", str(cfg.read_timeout), "--retries", str(cfg.retries)]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
     env = dict(os.environ)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))

@@ -157,7 +157,7 @@ class Filesystem:
                                         dirty=info is None or (truncate and info.size > 0))
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
-                                        seed=lambda local: self.remote.download(key, local))
+                                        seed=self.remote.download)
                 self._staged[key] = staged
                 truncate = False
             staged.refs += 1
@@ -376,8 +376,12 @@ class Filesystem:
         self.metadata.invalidate_tree(dst)
 
     def _move_staged(self, src: str, dst: str) -> None:
-        """Open staged files follow their rename, so later writes commit under the new name."""
+        """Open staged files follow their rename, so later writes commit under the new name.
+        A replaced target that is still open becomes nameless, as on a local disk."""
         with self._lock:
+            replaced = self._staged.pop(dst, None)
+            if replaced is not None:
+                replaced.unlinked = True
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
             for k in moving:
                 staged = self._staged.pop(k)

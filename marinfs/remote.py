@@ -8,18 +8,25 @@ how a file is committed atomically, and it counts every request it makes.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import logging
 import os
 import posixpath
+import random
 import threading
+import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
+import fsspec.config
 
+from marinfs.config import RemoteSettings
 from marinfs.errors import RemoteError, UsageError
 
 log = logging.getLogger(__name__)
@@ -28,6 +35,9 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = ".marinfs-tmp-"
 # Backends where a directory is only a prefix and an empty one needs a ``name/`` marker object.
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,8 @@ class ObjectInfo:
 
 
 class RequestStats:
-    """Counts remote requests by kind and bytes moved; thread-safe, resettable by tests."""
+    """Counts remote requests by kind (list, head, get, put, part, copy, delete), failures and
+    bytes moved; thread-safe, resettable by tests."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -50,19 +61,34 @@ class RequestStats:
         self.bytes_in = 0
         self.bytes_out = 0
 
-    def add(self, kind: str, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        self.errors: Counter[str] = Counter()
+
+    def add(self, kind: str) -> None:
         with self._lock:
             self.counts[kind] += 1
+
+    def add_error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] += 1
+
+    def add_bytes(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self._lock:
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
 
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return self.counts[kind]
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"requests": dict(self.counts), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+            return {"requests": dict(self.counts), "errors": dict(self.errors),
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
 
     def reset(self) -> None:
         with self._lock:
             self.counts.clear()
+            self.errors.clear()
             self.bytes_in = self.bytes_out = 0
 
 
@@ -99,25 +125,32 @@ def _version(info: dict[str, Any], mtime_ns: int, size: int) -> str:
 class Remote:
     """A prefix of an fsspec filesystem, addressed by keys relative to the prefix."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        options = dict(storage_options or {})
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 settings: RemoteSettings | None = None) -> None:
+        self.settings = settings or RemoteSettings()
         try:
             protocol = fsspec.core.split_protocol(url)[0] or "file"
+            if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+                # gcsfs otherwise tries gRPC/TLS first and stalls a minute against an emulator.
+                os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
             cls = fsspec.get_filesystem_class(protocol)
         except (ValueError, ImportError) as exc:
             raise UsageError(f"cannot mount {url}: {exc}") from None
-        # marinfs keeps the only metadata cache: fsspec's listing cache and instance reuse would
-        # serve stale listings and share state between mounts.
-        options.setdefault("skip_instance_cache", True)
-        if protocol not in ("file", "local", "memory"):
-            options.setdefault("use_listings_cache", False)
         self.url = url
-        self.protocol = protocol if isinstance(protocol, str) else protocol[0]
-        self.fs = cls(**options)
-        self.root = cls._strip_protocol(url).rstrip("/") or ("/" if self.protocol in ("file", "local") else "")
+        self.protocol = protocol
         self.stats = RequestStats()
-        self.hierarchical = self.protocol in ("file", "local")
-        self.object_store = self.protocol in OBJECT_STORE_PROTOCOLS
+        self.hierarchical = protocol in ("file", "local")
+        self.object_store = protocol in OBJECT_STORE_PROTOCOLS
+        options = _backend_options(cls, protocol, dict(storage_options or {}), self.settings)
+        try:
+            self.fs = cls(**options)
+        except Exception as exc:  # noqa: BLE001 - bad options or credentials: one clear line
+            raise UsageError(f"cannot use {url}: {_one_line(exc)}") from None
+        self.root = cls._strip_protocol(url).rstrip("/") or ("/" if self.hierarchical else "")
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
+        # Object stores: count real HTTP requests (pages, parts), not our logical calls.
+        self._count_http = _instrument(self.fs, protocol, self.stats)
 
     # -- paths ---------------------------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -144,6 +177,29 @@ class Remote:
         return ObjectInfo(name=name, is_dir=is_dir, size=size, mtime_ns=mtime,
                           version=None if is_dir else _version(raw, mtime, size))
 
+    def _call(self, kind: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one remote operation: count it, retry transient failures with backoff and
+        jitter, then fail with RemoteError (EIO). Answers such as 'not found' are not retried."""
+        if not self._count_http:
+            self.stats.add(kind)
+        attempts = max(1, self.settings.attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not is_transient(exc):
+                    raise
+                if attempt == attempts:
+                    self.stats.add_error(kind)
+                    raise RemoteError(f"{kind} on {self.url} failed after {attempts} attempts: "
+                                      f"{_one_line(exc)}") from exc
+                delay = random.uniform(0, min(self.settings.backoff_max,
+                                              self.settings.backoff_base * 2 ** attempt))
+                log.warning("%s on %s failed (%s); retry %d/%d in %.2fs", kind, self.url,
+                            _one_line(exc), attempt, attempts - 1, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
     # -- checks --------------------------------------------------------------------------------
     def check(self) -> None:
         """Fail fast, with the URL and the cause, if the prefix cannot be used at all."""
@@ -154,29 +210,28 @@ class Remote:
                     raise UsageError(f"{self.url} is not a directory")
             elif self.object_store:
                 bucket = self.root.split("/", 1)[0]
-                self.stats.add("list")
-                self.fs.ls(bucket, detail=False)
+                self._call("list", self.fs.ls, bucket + "/", detail=False)
         except FileNotFoundError:
             raise UsageError(f"{self.url} does not exist") from None
         except PermissionError as exc:
             raise UsageError(f"{self.url}: access denied ({_one_line(exc)})") from None
         except UsageError:
             raise
+        except RemoteError as exc:
+            raise UsageError(f"cannot reach {self.url}: {_one_line(exc.__cause__ or exc)}") from None
         except Exception as exc:  # noqa: BLE001 - any backend failure becomes one clear line
             raise UsageError(f"cannot reach {self.url}: {_one_line(exc)}") from None
 
     # -- metadata ------------------------------------------------------------------------------
     def stat(self, key: str) -> ObjectInfo:
         """The object or directory at ``key``; FileNotFoundError when neither exists."""
-        self.stats.add("head")
-        raw = self.fs.info(self.full(key))
+        raw = self._call("head", self.fs.info, self.full(key))
         return self._info_of(raw, key)
 
     def list(self, key: str) -> list[ObjectInfo]:
         """The direct children of directory ``key`` (one delimited listing, never recursive)."""
-        self.stats.add("list")
         full = self.full(key)
-        entries = self.fs.ls(full, detail=True)
+        entries = self._call("list", self.fs.ls, full, detail=True)
         result: dict[str, ObjectInfo] = {}
         for raw in entries:
             path = raw["name"].rstrip("/")
@@ -200,13 +255,13 @@ class Remote:
 
     # -- data ----------------------------------------------------------------------------------
     def read_range(self, key: str, start: int, end: int) -> bytes:
-        data = self.fs.cat_file(self.full(key), start=start, end=end)
-        self.stats.add("get", bytes_in=len(data))
+        data = self._call("get", self.fs.cat_file, self.full(key), start=start, end=end)
+        self.stats.add_bytes(bytes_in=len(data))
         return data
 
     def download(self, key: str, local_path: str) -> None:
-        self.fs.get_file(self.full(key), local_path)
-        self.stats.add("get", bytes_in=os.path.getsize(local_path))
+        self._call("get", self.fs.get_file, self.full(key), local_path)
+        self.stats.add_bytes(bytes_in=os.path.getsize(local_path))
 
     def upload(self, local_path: str, key: str) -> None:
         """Commit a local file as ``key``; readers see the old or the new object, never a part."""
@@ -216,7 +271,7 @@ class Remote:
             parent = posixpath.dirname(target)
             tmp = posixpath.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}")
             try:
-                self.fs.put_file(local_path, tmp)
+                self._call("put", self.fs.put_file, local_path, tmp)
                 self.fs.mv(tmp, target)
             except BaseException:
                 try:
@@ -225,16 +280,16 @@ class Remote:
                     pass
                 raise
         else:
-            self.fs.put_file(local_path, target)
-        self.stats.add("put", bytes_out=size)
+            # s3fs switches to multipart above 100 MiB with parts sized so 10,000 of them
+            # cover the file (5 TiB max); gcsfs uses resumable uploads, which have no part limit.
+            self._call("put", self.fs.put_file, local_path, target)
+        self.stats.add_bytes(bytes_out=size)
 
     def copy(self, src: str, dst: str) -> None:
-        self.stats.add("copy")
-        self.fs.cp_file(self.full(src), self.full(dst))
+        self._call("copy", self.fs.cp_file, self.full(src), self.full(dst))
 
     def delete(self, key: str) -> None:
-        self.stats.add("delete")
-        self.fs.rm_file(self.full(key))
+        self._call("delete", self.fs.rm_file, self.full(key))
 
     def rename(self, src: str, dst: str) -> None:
         """Rename one file: atomic on local disks, copy + delete on object stores."""
@@ -247,8 +302,7 @@ class Remote:
 
     def walk(self, key: str) -> tuple[list[str], list[str]]:
         """All file keys and directory keys below ``key`` (recursive; for directory renames)."""
-        self.stats.add("list")
-        found = self.fs.find(self.full(key), withdirs=True, detail=True)
+        found = self._call("list", self.fs.find, self.full(key), withdirs=True, detail=True)
         files, dirs = [], []
         for path, raw in found.items():
             rel = self.key_of(path)
@@ -259,30 +313,26 @@ class Remote:
 
     # -- directories ---------------------------------------------------------------------------
     def make_dir(self, key: str) -> None:
-        self.stats.add("mkdir")
         full = self.full(key)
         if self.object_store:
-            self.fs.pipe_file(full + "/", b"")
+            self._call("put", self.fs.pipe_file, full + "/", b"")  # the `dir/` marker object
         else:
-            self.fs.mkdir(full, create_parents=False)
+            self._call("mkdir", self.fs.mkdir, full, create_parents=False)
 
     def remove_dir(self, key: str) -> None:
         """Remove an (empty) directory: the real one, the pseudo-dir, or the marker object."""
-        self.stats.add("rmdir")
         full = self.full(key)
         if self.hierarchical:
+            self.stats.add("rmdir")
             os.rmdir(full)
             return
-        if self.object_store:
-            try:
-                self.fs.rm_file(full + "/")
-            except FileNotFoundError:
-                pass  # an implicit directory: nothing to delete
-            return
         try:
-            self.fs.rmdir(full)
+            if self.object_store:
+                self._call("delete", self.fs.rm_file, full + "/")
+            else:
+                self._call("rmdir", self.fs.rmdir, full)
         except FileNotFoundError:
-            pass
+            pass  # an implicit directory: nothing to delete
 
     def invalidate(self, key: str = "") -> None:
         """Drop any cache fsspec keeps despite our options (some backends keep one anyway)."""
@@ -295,3 +345,119 @@ class Remote:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# Failures worth another attempt: the network, timeouts, throttling and server errors.
+_TRANSIENT_NAMES = frozenset({
+    "ClientError", "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError",
+    "ClientOSError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "HTTPClientError", "IncompleteRead", "ResponseParserError",
+    "FSTimeoutError", "ChunkedEncodingError",
+})
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError, UsageError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _TRANSIENT_NAMES:
+            return True
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(status, int) and status in _TRANSIENT_STATUS:
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _TRANSIENT_STATUS or response.get("Error", {}).get("Code") in ("SlowDown", "Throttling"):
+            return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)
+
+
+def _backend_options(cls: type, protocol: str, options: dict[str, Any],
+                     settings: RemoteSettings) -> dict[str, Any]:
+    """Merge FSSPEC_<PROTOCOL> config, the user's options, and our timeouts and retry bounds.
+
+    marinfs keeps the only metadata cache: fsspec's listing cache and instance reuse would serve
+    stale listings and share state between mounts. Retries are ours (one bounded loop), so the
+    backend's own retry loops are reduced to a single attempt where they can be (botocore and
+    s3fs; gcsfs keeps its own, which are bounded too).
+    """
+    options = fsspec.config.apply_config(cls, options)
+    options.setdefault("skip_instance_cache", True)
+    if protocol in ("s3", "s3a"):
+        options.setdefault("use_listings_cache", False)
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", settings.connect_timeout)
+        config.setdefault("read_timeout", settings.read_timeout)
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        options["config_kwargs"] = config
+    elif protocol in ("gs", "gcs"):
+        options.setdefault("use_listings_cache", False)
+        options.setdefault("requests_timeout", settings.connect_timeout + settings.read_timeout)
+        options.setdefault("timeout", settings.connect_timeout + settings.read_timeout)
+    elif protocol not in ("file", "local", "memory"):
+        options.setdefault("use_listings_cache", False)
+    return options
+
+
+def _s3_kind(operation: str) -> str:
+    if operation.startswith("List"):
+        return "list"
+    if operation.startswith("Head"):
+        return "head"
+    if operation == "GetObject":
+        return "get"
+    if operation == "PutObject":
+        return "put"
+    if operation in ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+                     "AbortMultipartUpload", "UploadPartCopy"):
+        return "part"
+    if operation == "CopyObject":
+        return "copy"
+    if operation.startswith("Delete"):
+        return "delete"
+    return operation
+
+
+def _gcs_kind(method: str, path: str, params: dict[str, Any]) -> str:
+    method = method.upper()
+    if method == "DELETE":
+        return "delete"
+    if "/rewriteTo/" in path or "/copyTo/" in path or "/compose" in path:
+        return "copy"
+    if "/upload/" in path or params.get("uploadType"):
+        return "put" if method == "POST" else "part"
+    if method == "GET":
+        if params.get("alt") == "media" or "alt=media" in path or "/download/" in path:
+            return "get"
+        return "list" if path.rstrip("/").endswith("/o") else "head"
+    return method.lower()
+
+
+def _instrument(fs: Any, protocol: str, stats: RequestStats) -> bool:
+    """Count every HTTP request the backend sends, by kind. False when we cannot (then the
+    Remote counts its own calls, which is exact for local and memory backends)."""
+    if protocol in ("s3", "s3a"):
+        client = fsspec.asyn.sync(fs.loop, fs.set_session)
+
+        def before_send(event_name: str = "", **_: Any) -> None:
+            stats.add(_s3_kind(event_name.rsplit(".", 1)[-1]))
+
+        client.meta.events.register("before-send.s3", before_send)
+        return True
+    if protocol in ("gs", "gcs"):
+        request = fs._request
+
+        async def counted(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            stats.add(_gcs_kind(method, str(path), kwargs))
+            return await request(method, path, *args, **kwargs)
+
+        fs._request = counted
+        return True
+    return False

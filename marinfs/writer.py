@@ -26,7 +26,7 @@ class StagedFile:
     file holds bytes the remote does not have yet.
     """
 
-    def __init__(self, staging_dir: Path, key: str, seed: Callable[[str], None] | None,
+    def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
                  base_size: int = 0, dirty: bool = False) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
@@ -46,7 +46,7 @@ class StagedFile:
         if self.seeded:
             return
         assert self._seed is not None
-        self._seed(self.path)  # writes the remote content over the (empty) staging file
+        self._seed(self.key, self.path)  # the current key: the file may have been renamed
         self.seeded = True
 
     def known_size(self) -> int:

@@ -1,0 +1,582 @@
+"""Fast unit tests of the layers below the FUSE adapter: no mounts, no servers, no sleeps."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_storage_option
+from marinfs.errors import CommitError, FsError, RemoteError, UsageError, errno_for
+from marinfs.fs import Filesystem
+from marinfs.metadata import MetadataCache
+from marinfs.reader import ObjectReader
+from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
+from marinfs.writer import StagedFile
+
+KiB, MiB = 1 << 10, 1 << 20
+W, RW, CREAT = os.O_WRONLY, os.O_RDWR, os.O_CREAT | os.O_WRONLY
+
+
+class FakeClock:
+    """An injectable timer: time only moves when a test advances ``now``."""
+
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def raises_errno(code: int) -> AbstractContextManager[Any]:
+    """pytest.raises(OSError) that also requires ``errno == code`` (FsError is an OSError)."""
+    return pytest.raises(OSError, check=lambda e: e.errno == code)
+
+
+# -- fixtures and helpers ----------------------------------------------------------------------
+@pytest.fixture(params=["memory", "local"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    """An empty prefix: a unique memory:// root (the store is class-level) or a local tmp dir."""
+    if request.param == "memory":
+        r = Remote(f"memory://core-{uuid.uuid4().hex}")
+        r.fs.mkdir(r.root)
+        yield r
+        r.fs.rm(r.root, recursive=True)
+    else:
+        (tmp_path / "remote").mkdir()
+        yield Remote(str(tmp_path / "remote"))
+
+
+@pytest.fixture
+def fs(remote: Remote, tmp_path: Path) -> Filesystem:
+    return Filesystem(remote, staging_dir=tmp_path / "staging")
+
+
+def put(remote: Remote, key: str, data: bytes) -> None:
+    """Write an object straight through fsspec, behind marinfs' back."""
+    parent = os.path.dirname(key)
+    if parent:
+        remote.fs.makedirs(remote.full(parent), exist_ok=True)
+    remote.fs.pipe_file(remote.full(key), data)
+
+
+def cat(remote: Remote, key: str) -> bytes | None:
+    """The object's bytes as fsspec sees them, None if there is no such object."""
+    try:
+        return bytes(remote.fs.cat_file(remote.full(key)))
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def close(fs: Filesystem, fh: int) -> None:
+    """What close(2) does: flush (commit), then release."""
+    fs.flush(fh)
+    fs.release(fh)
+
+
+def write_file(fs: Filesystem, path: str, data: bytes) -> None:
+    fh = fs.create(path, CREAT | os.O_TRUNC)
+    fs.write(fh, data, 0)
+    close(fs, fh)
+
+
+def staging_files(fs: Filesystem) -> list[Path]:
+    return sorted(fs.staging_dir.iterdir()) if fs.staging_dir.exists() else []
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("exc", "code"), [
+    (FileNotFoundError(), errno.ENOENT), (FileExistsError(), errno.EEXIST),
+    (IsADirectoryError(), errno.EISDIR), (NotADirectoryError(), errno.ENOTDIR),
+    (PermissionError(), errno.EACCES), (TimeoutError(), errno.ETIMEDOUT),
+    (RemoteError("x"), errno.EIO), (CommitError("x"), errno.EIO),
+    (OSError(errno.ENOSPC, "full"), errno.ENOSPC), (FsError(errno.ENAMETOOLONG), errno.ENAMETOOLONG),
+    (PermissionError(errno.EPERM, "x"), errno.EPERM),
+    (ValueError("x"), errno.EIO), (KeyError("x"), errno.EIO), (EOFError(), errno.EIO),
+])
+def test_errno_for(exc: BaseException, code: int) -> None:
+    assert errno_for(exc) == code
+
+
+# -- config ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("raw", "want"), [
+    ("s3://b//p/", "s3://b/p"), ("gs://bucket/", "gs://bucket"), ("S3://B/x", "s3://B/x"),
+    ("memory://core//x//", "memory://core/x"), ("file:///x/y/", "/x/y"), ("data/x/", "/home/u/data/x"),
+    ("./a/../b", "/home/u/b"), ("//a//b/", "/a/b"), ("/abs/", "/abs"),
+])
+def test_normalize_remote(raw: str, want: str) -> None:
+    assert normalize_remote(raw, cwd="/home/u") == want
+
+
+@pytest.mark.parametrize("raw", ["", "   ", "s3://", "s3:///", "gs:////", "1x://b", "s 3://b", "://b"])
+def test_normalize_remote_rejects(raw: str) -> None:
+    with pytest.raises(UsageError):
+        normalize_remote(raw, cwd="/home/u")
+
+
+def test_mount_config_validate_accepts_defaults() -> None:
+    config = MountConfig(remote="s3://b", mountpoint="/mnt", metadata_ttl=0, read_block=64 * KiB)
+    assert config.validate() is config
+
+
+@pytest.mark.parametrize("override", [
+    {"log_level": "loud"}, {"file_mode": 0o10000}, {"dir_mode": -1}, {"uid": -1}, {"gid": -2},
+    {"metadata_ttl": -1}, {"negative_ttl": -0.5}, {"read_timeout": -1}, {"mount_timeout": -1},
+    {"retries": 0}, {"read_block": 1024},
+])
+def test_mount_config_validate_rejects(override: dict[str, object]) -> None:
+    with pytest.raises(UsageError):
+        MountConfig(remote="s3://b", mountpoint="/mnt", **override).validate()  # type: ignore[arg-type]
+
+
+def test_parse_mode_and_storage_option() -> None:
+    assert parse_mode("0644") == 0o644 and parse_mode("755") == 0o755
+    assert parse_storage_option("k=v") == ("k", "v") and parse_storage_option("a=b=c") == ("a", "b=c")
+    assert parse_storage_option(" k =v") == ("k", "v") and parse_storage_option("k=") == ("k", "")
+    for parse, bad in ((parse_mode, "rwx"), (parse_mode, ""), (parse_mode, "8"), (parse_mode, "0x1ff"),
+                       (parse_storage_option, "novalue"), (parse_storage_option, "=v")):
+        with pytest.raises(UsageError):
+            parse(bad)  # type: ignore[operator]
+
+
+def test_parse_storage_option_rejects_blank_key() -> None:
+    with pytest.raises(UsageError):
+        parse_storage_option("  =v")
+
+
+# -- metadata ----------------------------------------------------------------------------------
+def info(name: str, is_dir: bool = False, size: int = 1) -> ObjectInfo:
+    return ObjectInfo(name=name, is_dir=is_dir, size=0 if is_dir else size, version=None if is_dir else "v1")
+
+
+def test_metadata_stat_and_negative_ttl() -> None:
+    clock = FakeClock()
+    cache = MetadataCache(ttl=5.0, negative_ttl=1.0, timer=clock)
+    cache.put_stat(info("a"))
+    cache.put_missing("m")
+    clock.now += 0.9
+    assert cache.get_stat("a") == info("a") and cache.is_missing("m")
+    clock.now += 0.2
+    assert not cache.is_missing("m")
+    clock.now += 4.0
+    assert cache.get_stat("a") is None
+    cache.put_stat(info("b"))
+    cache.put_missing("b")  # "missing" replaces a stat, and a stat replaces "missing"
+    assert cache.get_stat("b") is None and cache.is_missing("b")
+    cache.put_stat(info("b"))
+    assert not cache.is_missing("b")
+    off = MetadataCache(ttl=0, negative_ttl=0, timer=clock)  # a TTL of 0 disables the cache
+    off.put_stat(info("a"))
+    off.put_listing("d", [info("d/a")])
+    off.put_missing("m")
+    assert off.get_stat("a") is None and off.get_listing("d") is None and not off.is_missing("m")
+
+
+def test_metadata_listing_needs_every_child_stat() -> None:
+    clock = FakeClock()
+    cache = MetadataCache(ttl=5.0, maxsize=20, timer=clock)
+    children = [info("d/a"), info("d/sub", is_dir=True)]
+    cache.put_listing("d", children)
+    assert cache.get_listing("d") == children
+    assert cache.get_stat("d/sub") == children[1]  # a listing fills the stat cache
+    cache.put_missing("d/a")  # one child's stat is gone: the listing is no longer trusted
+    assert cache.get_listing("d") is None
+    cache.put_listing("e", [info("e/a")])
+    for i in range(20):  # evict e/a from the (LRU) stat cache
+        cache.put_stat(info(f"other{i}"))
+    assert cache.get_stat("e/a") is None and cache.get_listing("e") is None
+    cache.put_listing("f", [info("f/a")])
+    clock.now += 5.1
+    assert cache.get_listing("f") is None and cache.get_stat("f/a") is None
+
+
+def test_metadata_invalidate() -> None:
+    cache = MetadataCache(timer=FakeClock())
+    cache.put_listing("", [info("d", is_dir=True), info("dd")])
+    cache.put_listing("d", [info("d/a"), info("d/b")])
+    cache.invalidate("d/a")
+    assert cache.get_stat("d/a") is None and cache.get_listing("d") is None
+    assert cache.get_stat("d/b") is not None and cache.get_listing("") is not None
+    cache.put_missing("x")
+    cache.invalidate("x")
+    assert not cache.is_missing("x") and cache.get_listing("") is None
+
+    cache.put_listing("", [info("d", is_dir=True), info("dd")])
+    cache.put_listing("d", [info("d/a"), info("d/x", is_dir=True)])
+    cache.put_listing("d/x", [info("d/x/y")])
+    cache.put_missing("d/gone")
+    cache.invalidate_tree("d")
+    assert all(cache.get_stat(k) is None for k in ("d", "d/a", "d/x", "d/x/y"))
+    assert cache.get_listing("d") is None and cache.get_listing("d/x") is None
+    assert not cache.is_missing("d/gone")
+    assert cache.get_listing("") is None  # the parent's listing changed too
+    assert cache.get_stat("dd") is not None  # a sibling sharing the prefix "d" is kept
+
+
+# -- reader ------------------------------------------------------------------------------------
+def recording_fetch(data: bytes, calls: list[tuple[int, int]]) -> Callable[[int, int], bytes]:
+    def fetch(start: int, end: int) -> bytes:
+        calls.append((start, end))
+        return data[start:end]
+    return fetch
+
+
+DATA_20M = bytes(range(256)) * (20 * MiB // 256)
+
+
+def test_reader_sequential_reads_fetch_whole_blocks() -> None:
+    calls: list[tuple[int, int]] = []
+    reader = ObjectReader(len(DATA_20M), recording_fetch(DATA_20M, calls), block=8 * MiB, min_fetch=1 * MiB)
+    out = [reader.read(128 * KiB, off) for off in range(0, len(DATA_20M), 128 * KiB)]
+    assert b"".join(out) == DATA_20M
+    assert calls == [(0, 8 * MiB), (8 * MiB, 16 * MiB), (16 * MiB, 20 * MiB)]
+
+
+def test_reader_random_read_fetches_min_fetch() -> None:
+    calls: list[tuple[int, int]] = []
+    reader = ObjectReader(len(DATA_20M), recording_fetch(DATA_20M, calls), block=8 * MiB, min_fetch=1 * MiB)
+    assert reader.read(4096, 10 * MiB) == DATA_20M[10 * MiB:10 * MiB + 4096]
+    assert calls == [(10 * MiB, 11 * MiB)]
+    assert reader.read(4096, 10 * MiB + 8192) == DATA_20M[10 * MiB + 8192:10 * MiB + 12288]
+    assert len(calls) == 1  # served from the buffer
+
+
+def test_reader_eof_and_short_fetch() -> None:
+    calls: list[tuple[int, int]] = []
+    data = b"0123456789"
+    reader = ObjectReader(len(data), recording_fetch(data, calls), block=64 * KiB)
+    assert reader.read(5, 10) == b"" and reader.read(5, 50) == b"" and reader.read(0, 0) == b""
+    assert calls == [] and reader.read(100, 7) == b"789"
+    short = ObjectReader(100, lambda start, end: b"abc", block=64 * KiB)
+    with pytest.raises(EOFError) as caught:
+        short.read(10, 0)
+    assert errno_for(caught.value) == errno.EIO
+
+
+# -- writer ------------------------------------------------------------------------------------
+class Seeder:
+    def __init__(self, content: bytes) -> None:
+        self.content, self.calls = content, 0
+
+    def __call__(self, key: str, local: str) -> None:
+        self.calls += 1
+        Path(local).write_bytes(self.content)
+
+
+def test_staged_new_file(tmp_path: Path) -> None:
+    staged = StagedFile(tmp_path / "st", "k", seed=None, dirty=True)
+    assert staged.write(b"hello", 0) == 5 and staged.write(b"!", None) == 1
+    assert staged.read(100, 0) == b"hello!" and staged.known_size() == 6
+    assert stat.S_IMODE(os.stat(staged.path).st_mode) == 0o600
+
+
+def test_staged_lazy_seed(tmp_path: Path) -> None:
+    seed = Seeder(b"old content")
+    staged = StagedFile(tmp_path / "st", "k", seed=seed, base_size=11)
+    assert staged.known_size() == 11 and seed.calls == 0  # stat does not download
+    assert staged.read(3, 0) == b"old" and seed.calls == 1
+    staged.write(b"++", None)  # append after the old bytes
+    staged.write(b"N", 0)
+    staged.truncate(12)
+    assert staged.read(100, 0) == b"Nld content+" and seed.calls == 1
+    other_seed = Seeder(b"old content")
+    other = StagedFile(tmp_path / "st", "k2", seed=other_seed, base_size=11)
+    other.truncate(5)  # keeps old bytes: must seed
+    assert other_seed.calls == 1 and other.read(100, 0) == b"old c" and other.dirty
+    never = Seeder(b"old content")
+    emptied = StagedFile(tmp_path / "st", "k3", seed=never, base_size=11)
+    emptied.truncate(0)  # old bytes are not needed: never seeds
+    emptied.write(b"new", None)
+    assert emptied.read(100, 0) == b"new" and never.calls == 0
+
+
+def test_staged_commit_once_and_discard(tmp_path: Path) -> None:
+    uploads: list[tuple[str, str, bytes]] = []
+
+    def upload(local: str, key: str) -> None:
+        uploads.append((local, key, Path(local).read_bytes()))
+
+    staged = StagedFile(tmp_path / "st", "dir/k", seed=Seeder(b"old"), base_size=3)
+    staged.commit(upload)
+    assert uploads == []  # clean: nothing to upload
+    staged.write(b"X", 0)
+    staged.commit(upload)
+    staged.commit(upload)
+    assert uploads == [(staged.path, "dir/k", b"Xld")]
+    staged.discard()
+    assert not os.path.exists(staged.path) and not staged.kept
+
+
+def test_staged_discard_keeps_only_dirty_bytes(tmp_path: Path) -> None:
+    kept = StagedFile(tmp_path / "st", "k", seed=None, dirty=True)
+    kept.write(b"precious", 0)
+    kept.discard()
+    assert kept.kept and Path(kept.path).read_bytes() == b"precious"
+    gone = StagedFile(tmp_path / "st", "k2", seed=None, dirty=True)
+    gone.unlinked = True  # an unlinked file is never uploaded and leaves nothing behind
+    gone.commit(lambda local, key: pytest.fail("uploaded an unlinked file"))
+    gone.discard()
+    assert not os.path.exists(gone.path)
+
+
+# -- remote ------------------------------------------------------------------------------------
+def test_remote_stat_and_list(remote: Remote) -> None:
+    for key, data in (("a", b"1"), ("d/b", b"22"), ("d/sub/c", b"333"), (f"d/{TMP_PREFIX}1", b"t")):
+        put(remote, key, data)
+    b, d = remote.stat("d/b"), remote.stat("d")
+    assert (b.name, b.is_dir, b.size) == ("d/b", False, 2) and b.version and b.mtime_ns > 0
+    assert d.is_dir and d.version is None and remote.stat("").is_dir
+    with pytest.raises(FileNotFoundError):
+        remote.stat("nope")
+    assert {(i.name, i.is_dir) for i in remote.list("")} == {("a", False), ("d", True)}
+    children = {i.name: i for i in remote.list("d")}  # direct children only, no temporary names
+    assert set(children) == {"d/b", "d/sub"} and children["d/b"].size == 2 and children["d/sub"].is_dir
+
+
+def test_remote_data_operations(remote: Remote, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.write_bytes(b"0123456789")
+    remote.upload(str(src), "f")
+    assert cat(remote, "f") == b"0123456789" and remote.read_range("f", 2, 5) == b"234"
+    assert [i.name for i in remote.list("")] == ["f"]  # no temporary upload names left
+    remote.copy("f", "g")
+    remote.rename("g", "h")
+    assert cat(remote, "h") == b"0123456789" and cat(remote, "g") is None
+    remote.delete("h")
+    assert cat(remote, "h") is None
+    with pytest.raises(FileNotFoundError):
+        remote.delete("h")
+
+
+def test_remote_dirs_and_walk(remote: Remote) -> None:
+    remote.make_dir("d")
+    assert remote.stat("d").is_dir and remote.list("d") == []
+    remote.make_dir("d/e")
+    put(remote, "d/e/f", b"x")
+    put(remote, "d/g", b"y")
+    files, dirs = remote.walk("d")
+    assert sorted(files) == ["d/e/f", "d/g"] and dirs == ["d/e"]
+    remote.make_dir("empty")
+    remote.remove_dir("empty")
+    with pytest.raises(FileNotFoundError):
+        remote.stat("empty")
+
+
+def test_remote_counts_requests_and_versions(remote: Remote, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    versions = []
+    for content in (b"abcd", b"second", b"3"):
+        src.write_bytes(content)
+        remote.stats.reset()
+        remote.upload(str(src), "f")
+        versions.append(remote.stat("f").version)
+        assert {i.name: i.version for i in remote.list("")}["f"] == versions[-1]
+        assert remote.read_range("f", 0, 3) == content[:3]
+        snap = remote.stats.snapshot()
+        assert snap["requests"] == {"put": 1, "head": 1, "list": 1, "get": 1}
+        assert snap["bytes_out"] == len(content) and snap["bytes_in"] == min(3, len(content))
+    assert len(set(versions)) == 3  # the version changes whenever the content does
+
+
+# -- filesystem --------------------------------------------------------------------------------
+def test_fs_create_write_flush_commits(fs: Filesystem, remote: Remote) -> None:
+    fh = fs.create("/new.txt", CREAT)
+    fs.write(fh, b"hello ", 0)
+    fs.write(fh, b"world", 6)
+    assert cat(remote, "new.txt") is None  # nothing reaches the remote before flush
+    fs.flush(fh)
+    assert cat(remote, "new.txt") == b"hello world"
+    fs.release(fh)
+    assert fs.getattr("/new.txt").size == 11 and staging_files(fs) == []
+
+
+def test_fs_open_errors(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f", b"x")
+    with pytest.raises(FileNotFoundError):
+        fs.open("/missing", os.O_RDONLY)
+    for path, flags, code in (("/f", CREAT | os.O_EXCL, errno.EEXIST), ("/nodir/f", CREAT, errno.ENOENT),
+                              ("/" + "n" * 256, CREAT, errno.ENAMETOOLONG),
+                              ("/" + "é" * 128, CREAT, errno.ENAMETOOLONG)):  # 256 bytes in UTF-8
+        with raises_errno(code):
+            fs.create(path, flags)
+    with raises_errno(errno.ENAMETOOLONG):
+        fs.getattr("/" + "n" * 256)
+    assert staging_files(fs) == []
+
+
+def test_fs_append_and_rdwr_read_after_write(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "log", b"line1\n")
+    fh = fs.open("/log", W | os.O_APPEND)
+    fs.write(fh, b"line2\n", 0)  # O_APPEND ignores the offset
+    close(fs, fh)
+    assert cat(remote, "log") == b"line1\nline2\n"
+    put(remote, "f", b"abcdef")
+    fh = fs.open("/f", RW)
+    fs.write(fh, b"XY", 2)
+    assert fs.read(fh, 100, 0) == b"abXYef" and cat(remote, "f") == b"abcdef"
+    close(fs, fh)
+    assert cat(remote, "f") == b"abXYef"
+
+
+def test_fs_truncate_by_path_and_handle(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f", b"abcdef")
+    fs.truncate("/f", 2)
+    assert cat(remote, "f") == b"ab" and fs.getattr("/f").size == 2
+    fh = fs.open("/f", W)
+    fs.truncate("/f", 0, fh=fh)
+    fs.write(fh, b"Z", 3)
+    close(fs, fh)
+    assert cat(remote, "f") == b"\0\0\0Z"
+    with raises_errno(errno.EINVAL):
+        fs.truncate("/f", -1)
+
+
+def test_fs_reader_sees_writers_staged_bytes(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f", b"old")
+    reader = fs.open("/f", os.O_RDONLY)
+    writer = fs.open("/f", W | os.O_TRUNC)
+    fs.write(writer, b"new bytes", 0)
+    assert fs.read(reader, 100, 0) == b"new bytes" and fs.getattr("/f").size == 9
+    with raises_errno(errno.EBADF):
+        fs.write(reader, b"x", 0)
+    close(fs, writer)
+    close(fs, reader)
+    assert cat(remote, "f") == b"new bytes"
+
+
+def test_fs_unlink_mkdir_rmdir(fs: Filesystem, remote: Remote) -> None:
+    fs.mkdir("/d")
+    assert fs.getattr("/d").is_dir and remote.stat("d").is_dir
+    write_file(fs, "/d/f", b"x")
+    for op, code in ((lambda: fs.mkdir("/d"), errno.EEXIST), (lambda: fs.rmdir("/d"), errno.ENOTEMPTY),
+                     (lambda: fs.rmdir("/d/f"), errno.ENOTDIR), (lambda: fs.mkdir("/d/f/s"), errno.ENOTDIR),
+                     (lambda: fs.readdir("/d/f"), errno.ENOTDIR), (lambda: fs.unlink("/d"), errno.EISDIR)):
+        with raises_errno(code):
+            op()
+    fs.unlink("/d/f")
+    assert cat(remote, "d/f") is None
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/d/f")
+    fh = fs.create("/d/pending", CREAT)  # an uncommitted file also makes the directory non-empty
+    with raises_errno(errno.ENOTEMPTY):
+        fs.rmdir("/d")
+    fs.unlink("/d/pending")
+    fs.release(fh)
+    fs.rmdir("/d")
+    with pytest.raises(FileNotFoundError):
+        remote.stat("d")
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/d")
+
+
+def test_fs_rename_file(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"from a")
+    put(remote, "b", b"old b")
+    assert fs.getattr("/b").size == 5  # cached before the rename
+    fs.rename("/a", "/b")
+    assert cat(remote, "b") == b"from a" and cat(remote, "a") is None and fs.getattr("/b").size == 6
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/a")
+    fh = fs.create("/draft", CREAT)  # a new file renamed while its writer is open
+    fs.write(fh, b"part1 ", 0)
+    fs.rename("/draft", "/final")
+    fs.write(fh, b"part2", 6)
+    close(fs, fh)
+    assert cat(remote, "final") == b"part1 part2" and cat(remote, "draft") is None
+
+
+def test_fs_rename_directory_moves_every_object(fs: Filesystem, remote: Remote) -> None:
+    for d in ("/src", "/src/sub", "/src/empty"):
+        fs.mkdir(d)
+    for path in ("/src/a", "/src/sub/b", "/src/sub/c"):
+        write_file(fs, path, path.encode())
+    fs.rename("/src", "/dst")
+    files, dirs = remote.walk("dst")
+    assert sorted(files) == ["dst/a", "dst/sub/b", "dst/sub/c"] and sorted(dirs) == ["dst/empty", "dst/sub"]
+    assert cat(remote, "dst/sub/c") == b"/src/sub/c"
+    assert [i.name for i in remote.list("")] == ["dst"]  # nothing left under src
+    assert {i.name for i in fs.readdir("/")} == {"dst"}
+    with raises_errno(errno.EINVAL):
+        fs.rename("/dst", "/dst/sub/inside")
+
+
+def test_fs_rename_existing_file_while_writer_open(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"hello")
+    fh = fs.open("/a", W)  # staged lazily: nothing downloaded yet
+    fs.rename("/a", "/b")
+    fs.write(fh, b"J", 0)  # needs the old bytes: they are downloaded from the new name
+    close(fs, fh)
+    assert cat(remote, "b") == b"Jello"
+
+
+def test_fs_rename_onto_file_open_for_writing(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "src", b"renamed content")
+    fh = fs.create("/dst", CREAT)
+    fs.write(fh, b"old", 0)
+    fs.flush(fh)
+    fs.rename("/src", "/dst")
+    assert fs.getattr("/dst").size == len(b"renamed content")
+    fs.write(fh, b"X", 0)  # POSIX: this lands in the replaced, now nameless file
+    close(fs, fh)
+    assert cat(remote, "dst") == b"renamed content"
+
+
+def test_fs_readdir_includes_uncommitted_file(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "old", b"1")
+    assert {i.name for i in fs.readdir("/")} == {"old"}  # also caches the listing
+    fh = fs.create("/new", CREAT)
+    fs.write(fh, b"abc", 0)
+    listing = {i.name: i for i in fs.readdir("/")}
+    assert set(listing) == {"old", "new"} and listing["new"].size == 3 and cat(remote, "new") is None
+    fs.release(fh)
+
+
+def test_fs_read_only(remote: Remote, tmp_path: Path) -> None:
+    put(remote, "f", b"data")
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", read_only=True)
+    fh = fs.open("/f", os.O_RDONLY)
+    assert fs.read(fh, 100, 0) == b"data"
+    fs.release(fh)
+    for op in (lambda: fs.open("/f", W), lambda: fs.open("/f", os.O_RDONLY | os.O_TRUNC),
+               lambda: fs.create("/g", CREAT), lambda: fs.mkdir("/d"), lambda: fs.unlink("/f"),
+               lambda: fs.rename("/f", "/g"), lambda: fs.truncate("/f", 0), lambda: fs.access("/f", os.W_OK)):
+        with raises_errno(errno.EROFS):
+            op()
+    assert cat(remote, "f") == b"data" and staging_files(fs) == []
+
+
+def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_upload(local_path: str, key: str) -> None:
+        raise OSError(errno.EIO, "injected upload failure")
+
+    monkeypatch.setattr(remote, "upload", failing_upload)
+    fh = fs.create("/f", CREAT)
+    fs.write(fh, b"unsaved", 0)
+    with raises_errno(errno.EIO):
+        fs.flush(fh)
+    fs.release(fh)  # cannot report; must keep the bytes
+    kept = staging_files(fs)
+    assert len(kept) == 1 and kept[0].read_bytes() == b"unsaved" and cat(remote, "f") is None
+
+
+def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> None:
+    for name in ("a", "b"):
+        put(remote, name, b"xy")
+    assert fs.getattr("/a").size == 2
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/missing")
+    remote.stats.reset()
+    assert fs.getattr("/a").size == 2  # a cached stat
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/missing")  # a cached "does not exist"
+    assert remote.stats.snapshot()["requests"] == {}
+    assert len(fs.readdir("/")) == 2
+    assert fs.getattr("/b").size == 2 and len(fs.readdir("/")) == 2  # the listing filled b's stat
+    assert remote.stats.snapshot()["requests"] == {"list": 1}
