@@ -121,6 +121,9 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Until a daemon sets up its own logging, library warnings (retries...) must not add lines
+    # to the one-line error contract.
+    logging.getLogger().addHandler(logging.NullHandler())
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except UsageError as exc:

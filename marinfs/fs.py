@@ -404,17 +404,16 @@ class Filesystem:
             self.remote.rename(src, dst)
         else:
             # Not atomic: every object is copied, then the originals are deleted (documented).
-            files, dirs = self.remote.walk(src)
-            self.remote.make_dir(dst)
-            for d in sorted(dirs):
+            files, dirs, explicit = self.remote.walk(src)
+            for d in sorted(explicit):  # implicit directories come along with their objects
                 self.remote.make_dir(dst + d[len(src):])
             for f in files:
                 self.remote.copy(f, dst + f[len(src):])
             for f in files:
                 self.remote.delete(f)
-            for d in sorted(dirs, reverse=True):
+            # Every directory, implicit ones too: some stores (SeaweedFS) keep empty folders.
+            for d in sorted(set(dirs) | {src}, reverse=True):
                 self.remote.remove_dir(d)
-            self.remote.remove_dir(src)
         self._move_staged(src, dst)
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
 import mfusepy as fuse  # noqa: E402
 
-from marinfs.errors import errno_for  # noqa: E402
+from marinfs.errors import RemoteError, errno_for  # noqa: E402
 from marinfs.fs import Filesystem  # noqa: E402
 from marinfs.remote import ObjectInfo  # noqa: E402
 
@@ -40,7 +40,9 @@ def _errors(method: F) -> F:
             raise
         except Exception as exc:  # noqa: BLE001 - this is the one place errors become errno
             code = errno_for(exc)
-            if code == errno.EIO:
+            if isinstance(exc, RemoteError):  # already classified and retried: one line
+                log.error("%s%s failed: %s", method.__name__, args[1:2], exc)
+            elif code == errno.EIO:  # unexpected: keep the traceback for the bug report
                 log.error("%s%s failed: %s", method.__name__, args[1:2], exc, exc_info=True)
             elif code != errno.ENOENT:
                 log.debug("%s%s -> %s", method.__name__, args[1:2], errno.errorcode.get(code, code))

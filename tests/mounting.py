@@ -107,15 +107,17 @@ def daemon_pid(mnt: Path) -> int:
 
 
 @contextlib.contextmanager
-def inprocess_mount(url: str, mnt: Path, cache_dir: Path, **fs_kwargs: Any) -> Iterator[Any]:
-    """Serve the mount from a thread of this process; yields the core Filesystem."""
+def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict | None = None,
+                    **fs_kwargs: Any) -> Iterator[Any]:
+    """Serve the mount from a thread of this process; yields the core Filesystem (whose
+    ``remote.stats`` counts the requests the test's syscalls caused)."""
     from marinfs.fs import Filesystem
     from marinfs.fuse_ops import FuseAdapter, serve
     from marinfs.metadata import MetadataCache
     from marinfs.remote import Remote
 
     mnt.mkdir(parents=True, exist_ok=True)
-    remote = Remote(url)
+    remote = Remote(url, storage_options)
     fs = Filesystem(remote, staging_dir=cache_dir / "staging",
                     metadata=MetadataCache(ttl=fs_kwargs.pop("metadata_ttl", 5.0)), **fs_kwargs)
     adapter = FuseAdapter(fs, os.getuid(), os.getgid(), 0o644, 0o755)

@@ -360,8 +360,9 @@ def test_remote_dirs_and_walk(remote: Remote) -> None:
     remote.make_dir("d/e")
     put(remote, "d/e/f", b"x")
     put(remote, "d/g", b"y")
-    files, dirs = remote.walk("d")
+    files, dirs, explicit = remote.walk("d")
     assert sorted(files) == ["d/e/f", "d/g"] and dirs == ["d/e"]
+    assert "d/e" in explicit and "d/e/f" not in explicit
     remote.make_dir("empty")
     remote.remove_dir("empty")
     with pytest.raises(FileNotFoundError):
@@ -497,7 +498,7 @@ def test_fs_rename_directory_moves_every_object(fs: Filesystem, remote: Remote) 
     for path in ("/src/a", "/src/sub/b", "/src/sub/c"):
         write_file(fs, path, path.encode())
     fs.rename("/src", "/dst")
-    files, dirs = remote.walk("dst")
+    files, dirs, _ = remote.walk("dst")
     assert sorted(files) == ["dst/a", "dst/sub/b", "dst/sub/c"] and sorted(dirs) == ["dst/empty", "dst/sub"]
     assert cat(remote, "dst/sub/c") == b"/src/sub/c"
     assert [i.name for i in remote.list("")] == ["dst"]  # nothing left under src
