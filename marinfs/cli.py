@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from marinfs import __version__
 from marinfs.config import (LOG_LEVELS, MountConfig, default_cache_dir, normalize_remote, parse_mode,
-                            parse_storage_option)
+                            parse_size, parse_storage_option)
 from marinfs.errors import MarinfsError, UsageError
 
 log = logging.getLogger("marinfs")
@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to connect to the remote")
     m.add_argument("--read-timeout", type=float, default=120.0, help="seconds a remote response may stall")
     m.add_argument("--retries", type=int, default=5, help="attempts per remote call (transient errors)")
+    m.add_argument("--chunk-size", type=parse_size, default=8 << 20, help="bytes per ranged GET and cache chunk")
+    m.add_argument("--cache-size", type=parse_size, default=20 << 30, help="hard limit of the chunk cache (0: off)")
+    m.add_argument("--cache-min-free", type=parse_size, default=1 << 30, help="free space to leave on the cache disk")
+    m.add_argument("--prefetch-workers", type=int, default=8, help="parallel ranged GETs")
+    m.add_argument("--read-ahead-kb", type=int, default=1024, help="kernel readahead (root only; 0: leave)")
     m.add_argument("-o", "--storage-option", action="append", default=[], type=parse_storage_option,
                    metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
 
@@ -65,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=600.0)
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if busy")
+
+    c = sub.add_parser("cache", help="inspect, empty or pre-fill the chunk cache")
+    csub = c.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    for name, text in (("stats", "what is cached and how it is used"),
+                       ("clear", "delete every cached chunk (not while mounted)")):
+        one = csub.add_parser(name, help=text)
+        one.add_argument("--cache-dir", type=Path, default=None)
+        if name == "stats":
+            one.add_argument("--json", action="store_true")
+    w = csub.add_parser("warm", help="read files or trees under a mount into its cache")
+    w.add_argument("paths", nargs="+", metavar="PATH")
+    w.add_argument("--workers", type=int, default=4)
+    w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
     p = sub.add_parser("path", help="convert a URL under a mounted prefix to its path, and back")
     p.add_argument("arg")
@@ -90,6 +108,8 @@ def _mount_config(ns: argparse.Namespace) -> MountConfig:
         cache_dir=(ns.cache_dir or default_cache_dir()).absolute(), metadata_ttl=ns.metadata_ttl,
         negative_ttl=ns.negative_ttl, mount_timeout=ns.mount_timeout,
         connect_timeout=ns.connect_timeout, read_timeout=ns.read_timeout, retries=ns.retries,
+        chunk_size=ns.chunk_size, cache_size=ns.cache_size, cache_min_free=ns.cache_min_free,
+        prefetch_workers=ns.prefetch_workers, read_ahead_kb=ns.read_ahead_kb,
         storage_options=tuple(sorted(options.items())),
     ).validate()
 
@@ -111,6 +131,21 @@ def run(argv: list[str]) -> int:
         from marinfs import daemon
 
         daemon.unmount(ns.mountpoint, timeout=ns.timeout, lazy=ns.lazy)
+        return 0
+    if ns.command == "cache":
+        from marinfs import cachecli
+
+        if ns.cache_command == "warm":
+            if ns.workers < 1:
+                raise UsageError("--workers must be >= 1")
+            print(cachecli.warm(ns.paths, workers=ns.workers, quiet=ns.quiet))
+            return 0
+        cache_dir = (ns.cache_dir or default_cache_dir()).absolute()
+        if ns.cache_command == "stats":
+            data = cachecli.stats(cache_dir)
+            print(json.dumps(data, indent=2) if ns.json else cachecli.format_stats(data))
+        else:
+            print(f"removed {cachecli.clear(cache_dir)} chunks from {cache_dir}")
         return 0
     if ns.command == "path":
         from marinfs.mounts import convert, live_mounts

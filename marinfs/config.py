@@ -73,8 +73,16 @@ class MountConfig:
     # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
     metadata_ttl: float = 5.0
     negative_ttl: float = 1.0
-    # Reads: bytes fetched per remote GET when the reader has no larger hint.
-    read_block: int = 8 * 1024 * 1024
+    # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
+    chunk_size: int = 8 << 20
+    # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
+    cache_size: int = 20 << 30
+    cache_min_free: int = 1 << 30
+    # Parallel ranged GETs ahead of sequential readers, and how far ahead (chunks) at most.
+    prefetch_workers: int = 8
+    max_readahead_chunks: int = 32
+    # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
+    read_ahead_kb: int = 1024
     # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
     connect_timeout: float = 30.0
     read_timeout: float = 120.0
@@ -101,8 +109,12 @@ class MountConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be >= 0")
         if self.retries < 1:
             raise UsageError("--retries must be >= 1")
-        if self.read_block < 64 * 1024:
-            raise UsageError("read block must be at least 64 KiB")
+        if not 64 << 10 <= self.chunk_size <= 1 << 30:
+            raise UsageError("--chunk-size must be between 64K and 1G")
+        if self.cache_size < 0 or self.cache_min_free < 0:
+            raise UsageError("cache sizes must be >= 0")
+        if self.prefetch_workers < 1 or self.max_readahead_chunks < 0 or self.read_ahead_kb < 0:
+            raise UsageError("prefetch workers must be >= 1, readahead >= 0")
         return self
 
 
@@ -120,3 +132,14 @@ def parse_storage_option(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise UsageError(f"storage option {text!r} is not KEY=VALUE")
     return key, value
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``200G``, ``512M``, ``8MiB``, ``1048576`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if not match:
+        raise UsageError(f"{text!r} is not a size such as 512M or 200G")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,17 +56,68 @@ def setup_logging(level: str, log_file: str | None) -> None:
 
 
 def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
+    from marinfs.chunkcache import ChunkCache
     from marinfs.fs import Filesystem
     from marinfs.metadata import MetadataCache
+    from marinfs.reader import ChunkFetcher
     from marinfs.remote import Remote
 
     remote = Remote(cfg.remote, dict(cfg.storage_options), cfg.remote_settings())
     remote.check()
     cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(cfg.cache_dir, 0o700)
+    cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
+    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
+                           workers=cfg.prefetch_workers)
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl)
     return Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
-                      read_only=cfg.read_only, read_block=cfg.read_block)
+                      read_only=cfg.read_only, fetcher=fetcher,
+                      max_readahead_chunks=cfg.max_readahead_chunks)
+
+
+def stats_file(cache_dir: Path) -> Path:
+    return cache_dir / "stats.json"
+
+
+def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 - Filesystem
+    """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600)."""
+    cache = fs.fetcher.cache
+    data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
+            "uptime_s": round(time.monotonic() - started, 1),
+            "cache": cache.snapshot() if cache else None, "remote_requests": fs.remote.stats.snapshot()}
+    path = stats_file(cfg.cache_dir)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _watch_mount(fs, cfg: MountConfig, stop: threading.Event) -> None:  # noqa: ANN001
+    """Once the mount is live: raise the kernel readahead (root), then publish stats."""
+    started = time.monotonic()
+    while not stop.is_set() and not os.path.ismount(cfg.mountpoint):
+        if time.monotonic() - started > cfg.mount_timeout:
+            return
+        time.sleep(0.02)
+    if cfg.read_ahead_kb:
+        set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
+    while not stop.wait(2.0):
+        try:
+            write_stats(fs, cfg, started)
+        except OSError as exc:
+            log.debug("cannot write stats: %s", exc)
+
+
+def set_read_ahead(mountpoint: str, kib: int) -> None:
+    """Larger kernel readahead makes the kernel send 1 MiB reads instead of 128 KiB ones."""
+    dev = os.stat(mountpoint).st_dev
+    path = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    try:
+        path.write_text(str(kib))
+        log.info("kernel readahead of %s set to %d KiB", mountpoint, kib)
+    except OSError as exc:
+        log.info("kernel readahead of %s left as is (%s)", mountpoint, exc.strerror)
 
 
 def run_foreground(cfg: MountConfig) -> None:
@@ -80,6 +132,9 @@ def run_foreground(cfg: MountConfig) -> None:
     state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote,
                                  "mountpoint": cfg.mountpoint, "log_file": cfg.log_file}))
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop), daemon=True)
+    watcher.start()
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),
@@ -87,7 +142,15 @@ def run_foreground(cfg: MountConfig) -> None:
     except RuntimeError as exc:
         raise MountError(f"FUSE could not mount {cfg.mountpoint} (libfuse said {exc})") from None
     finally:
+        stop.set()
         state.unlink(missing_ok=True)
+        fs.fetcher.close()
+        try:
+            write_stats(fs, cfg, time.monotonic())
+        except OSError:
+            pass
+        if fs.fetcher.cache is not None:
+            fs.fetcher.cache.close()
     log.info("unmounted %s", cfg.mountpoint)
 
 
@@ -104,7 +167,10 @@ def start_background(cfg: MountConfig) -> Path:
             "--dir-mode", oct(cfg.dir_mode), "--log-level", cfg.log_level,
             "--cache-dir", str(cfg.cache_dir), "--metadata-ttl", str(cfg.metadata_ttl),
             "--negative-ttl", str(cfg.negative_ttl), "--connect-timeout", str(cfg.connect_timeout),
-            "--read-timeout", str(cfg.read_timeout), "--retries", str(cfg.retries)]
+            "--read-timeout", str(cfg.read_timeout), "--retries", str(cfg.retries),
+            "--chunk-size", str(cfg.chunk_size), "--cache-size", str(cfg.cache_size),
+            "--cache-min-free", str(cfg.cache_min_free), "--prefetch-workers", str(cfg.prefetch_workers),
+            "--read-ahead-kb", str(cfg.read_ahead_kb)]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
     env = dict(os.environ)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))

@@ -28,6 +28,13 @@ class RemoteError(MarinfsError):
     """A remote call failed after its retries; surfaces as EIO unless a subclass says otherwise."""
 
 
+class StaleVersionError(OSError):
+    """The object changed under an open handle; the read fails rather than mix versions."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(errno.ESTALE, detail)
+
+
 class CommitError(RemoteError):
     """Uploading staged bytes failed; the staged file is kept."""
 

@@ -15,14 +15,14 @@ import os
 import posixpath
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cachetools import LRUCache
 
-from marinfs.errors import FsError
+from marinfs.errors import FsError, StaleVersionError
 from marinfs.metadata import MetadataCache
-from marinfs.reader import ObjectReader
+from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
 from marinfs.remote import ObjectInfo, Remote
 from marinfs.writer import StagedFile
 
@@ -41,7 +41,8 @@ class Handle:
     info: ObjectInfo | None  # what the remote had at open time (None for a new file)
     staged: StagedFile | None = None  # set for handles that may write
     reader: ObjectReader | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    keep_kernel_cache: bool = False
+    served: bool = False  # bytes of info's version were returned: it may not change any more
 
     @property
     def append(self) -> bool:
@@ -64,12 +65,17 @@ class Filesystem:
     """POSIX operations over a :class:`Remote`, with a metadata cache and staged writes."""
 
     def __init__(self, remote: Remote, staging_dir: Path, metadata: MetadataCache | None = None,
-                 read_only: bool = False, read_block: int = 8 << 20) -> None:
+                 read_only: bool = False, fetcher: ChunkFetcher | None = None,
+                 max_readahead_chunks: int = 32) -> None:
         self.remote = remote
         self.metadata = metadata or MetadataCache()
         self.staging_dir = staging_dir
         self.read_only = read_only
-        self.read_block = read_block
+        self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
+        self.max_readahead_chunks = max_readahead_chunks
+        # The version each key had when last opened: the kernel may keep its page cache for a
+        # new open only if the version is unchanged (else it would serve the old bytes).
+        self._kernel_versions: LRUCache[str, str | None] = LRUCache(maxsize=65536)
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
@@ -203,7 +209,17 @@ class Filesystem:
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
         staged = self._acquire_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
-        return self._new_handle(Handle(key=key, flags=flags, info=info, staged=staged))
+        handle = Handle(key=key, flags=flags, info=info, staged=staged)
+        with self._lock:
+            previous = self._kernel_versions.get(key)
+            handle.keep_kernel_cache = (not writable and info.version is not None
+                                        and previous == info.version and key not in self._staged)
+            self._kernel_versions[key] = None if writable else info.version
+        return self._new_handle(handle)
+
+    def keeps_kernel_cache(self, fh: int) -> bool:
+        """Whether the kernel may keep the pages it cached for this file (version unchanged)."""
+        return self._handle(fh).keep_kernel_cache
 
     def create(self, path: str, flags: int) -> int:
         self._writable()
@@ -223,14 +239,28 @@ class Filesystem:
         staged = handle.staged or self._staged.get(handle.key)
         if staged is not None:
             return staged.read(size, offset)
+        try:
+            return self._reader(handle).read(size, offset)
+        except StaleVersionError:
+            if handle.served:
+                raise  # never mix versions within one handle: ESTALE
+            # Nothing served yet: the stat we opened with was stale. Open the new version.
+            self.metadata.invalidate(handle.key)
+            handle.info, handle.reader = self.lookup(handle.key), None
+            return self._reader(handle).read(size, offset)
+        finally:
+            handle.served = True
+
+    def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
         if reader is None:
-            assert handle.info is not None
-            key = handle.key
-            reader = handle.reader = ObjectReader(
-                handle.info.size, lambda start, end: self.remote.read_range(key, start, end),
-                block=self.read_block)
-        return reader.read(size, offset)
+            info = handle.info
+            assert info is not None
+            version = info.version or f"unversioned-{id(handle)}"
+            ref = ObjectRef(url=f"{self.remote.url}/{handle.key}", key=handle.key, version=version,
+                            size=info.size)
+            reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
+        return reader
 
     def write(self, fh: int, data: bytes, offset: int) -> int:
         handle = self._handle(fh)
@@ -251,6 +281,8 @@ class Filesystem:
             return
         staged.commit(self.remote.upload)
         self.metadata.invalidate(staged.key)
+        with self._lock:
+            self._kernel_versions.pop(staged.key, None)
         # Learn the committed object's own metadata (version, timestamp) now: a listing will
         # report the same, so tools that compare stats (tar) never see a change that was not.
         try:

@@ -115,6 +115,7 @@ class FuseAdapter(fuse.Operations):
     @_errors
     def open(self, path: str, fi: Any) -> int:
         fi.fh = self.fs.open(path, fi.flags)
+        fi.keep_cache = self.fs.keeps_kernel_cache(fi.fh)
         return 0
 
     @_errors

@@ -1,44 +1,157 @@
-"""Reads of one object version through ranged GETs.
+"""Reads of object versions: chunk lookup in the cache, parallel ranged fetches, sequential
+readahead that grows and resets on a seek, single-flight.
 
-The kernel sends reads of 128 KiB to 1 MiB; one GET each would pay the store's first-byte
-latency every time. A handle therefore keeps the last block it fetched and, while reads stay
-sequential, fetches ``block`` bytes at a time; a seek fetches only what the read touches
-(at least ``min_fetch``), so random reads do not pull whole blocks.
+An object is read in fixed-size chunks (one ranged GET each). A chunk comes from the small
+in-memory LRU of recently fetched chunks, else the on-disk :class:`ChunkCache`, else the
+remote; concurrent readers of one chunk share one GET. While a handle reads sequentially,
+chunks ahead of it are fetched in parallel by a bounded pool, the window doubling up to
+``max_window`` chunks; any seek resets it. Memory stays bounded: in-flight fetches are at most
+``workers`` chunks and the memory LRU is capped in bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cachetools import LRUCache
+
+from marinfs.chunkcache import ChunkCache, ChunkKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One version of one object, as a handle saw it at open."""
+
+    url: str  # the remote URL of the object, for cache keys
+    key: str  # the key relative to the mounted prefix, for fetches
+    version: str
+    size: int
+
+
+Fetch = Callable[[str, int, int, str], bytes]  # (key, start, end, version) -> bytes
+
+
+class ChunkFetcher:
+    """Shared by all handles of a mount: chunk sources, single-flight and the prefetch pool."""
+
+    def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
+                 workers: int = 8, memory_bytes: int = 64 << 20) -> None:
+        self.fetch = fetch
+        self.cache = cache
+        self.chunk_size = chunk_size
+        self._lock = threading.Lock()
+        self._inflight: dict[ChunkKey, Future[bytes]] = {}
+        self._memory: LRUCache[ChunkKey, bytes] = LRUCache(maxsize=max(memory_bytes, chunk_size), getsizeof=len)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
+        self.workers = workers
+
+    def chunk_key(self, obj: ObjectRef, index: int) -> ChunkKey:
+        return ChunkKey(obj.url, obj.version, index)
+
+    def read(self, obj: ObjectRef, index: int, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` within chunk ``index`` (blocking)."""
+        ck = self.chunk_key(obj, index)
+        with self._lock:
+            data = self._memory.get(ck)
+            future = self._inflight.get(ck) if data is None else None
+        if data is not None:
+            return data[offset:offset + size]
+        if future is None and self.cache is not None:
+            cached = self.cache.read(ck, offset, size)
+            if cached is not None:
+                return cached
+        if future is None:
+            future, owner = self._claim(ck)
+            if owner:
+                self._run(obj, index, ck, future)  # a demand read fetches in its own thread
+        return future.result()[offset:offset + size]
+
+    def prefetch(self, obj: ObjectRef, index: int) -> None:
+        """Start fetching chunk ``index`` in the background unless it is cached or under way."""
+        if index * self.chunk_size >= obj.size:
+            return
+        ck = self.chunk_key(obj, index)
+        with self._lock:
+            if ck in self._memory or ck in self._inflight:
+                return
+        if self.cache is not None and self.cache.contains(ck):
+            return
+        future, owner = self._claim(ck)
+        if owner:
+            self._pool.submit(self._run, obj, index, ck, future)
+
+    def _claim(self, ck: ChunkKey) -> tuple[Future[bytes], bool]:
+        with self._lock:
+            future = self._inflight.get(ck)
+            if future is not None:
+                return future, False
+            future = Future()
+            self._inflight[ck] = future
+            return future, True
+
+    def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes]) -> None:
+        start = index * self.chunk_size
+        end = min(obj.size, start + self.chunk_size)
+        try:
+            data = self.fetch(obj.key, start, end, obj.version)
+            if len(data) != end - start:
+                raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
+            if self.cache is not None:
+                self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
+            with self._lock:
+                self._memory[ck] = data
+            future.set_result(data)
+        except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
+            future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            with self._lock:
+                self._inflight.pop(ck, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class ObjectReader:
-    """Serves ``read(size, offset)`` of an object of known ``size`` from ``fetch(start, end)``."""
+    """Serves ``read(size, offset)`` of one object version for one open handle."""
 
-    def __init__(self, size: int, fetch: Callable[[int, int], bytes], block: int = 8 << 20,
-                 min_fetch: int = 1 << 20) -> None:
-        self.size = size
-        self._fetch = fetch
-        self._block = block
-        self._min_fetch = min_fetch
+    def __init__(self, obj: ObjectRef, fetcher: ChunkFetcher, max_window: int = 32) -> None:
+        self.obj = obj
+        self._fetcher = fetcher
+        self._max_window = max_window
         self._lock = threading.Lock()
-        self._buf = b""
-        self._buf_start = 0
-        self._next = 0  # where a sequential reader would read next
+        self._next = 0  # where a sequential reader reads next
+        self._window = 0  # chunks to keep in flight ahead of the reader
 
     def read(self, size: int, offset: int) -> bytes:
-        if offset >= self.size or size <= 0:
+        obj, cs = self.obj, self._fetcher.chunk_size
+        if offset >= obj.size or size <= 0:
             return b""
-        end = min(offset + size, self.size)
+        end = min(offset + size, obj.size)
+        first, last = offset // cs, (end - 1) // cs
         with self._lock:
-            buf, start = self._buf, self._buf_start
-            if not (start <= offset and end <= start + len(buf)):
-                sequential = offset == self._next or offset == 0
-                want = self._block if sequential else self._min_fetch
-                fetch_end = min(self.size, max(end, offset + want))
-                buf, start = self._fetch(offset, fetch_end), offset
-                if len(buf) < end - offset:
-                    raise EOFError(f"short read: wanted {end - offset} bytes at {offset}, got {len(buf)}")
-                self._buf, self._buf_start = buf, start
-            self._next = end
-            return buf[offset - start : end - start]
+            # The kernel issues readahead concurrently, so "sequential" tolerates reordering
+            # within a chunk of where the reader was expected.
+            if abs(offset - self._next) <= cs:
+                self._window = min(self._max_window, max(1, self._window * 2))
+            else:
+                self._window = 0
+            self._next = max(self._next, end) if self._window else end
+            window = self._window
+        for index in range(last + 1, last + 1 + window):
+            self._fetcher.prefetch(obj, index)
+        if first == last:
+            return self._fetcher.read(obj, first, offset - first * cs, end - offset)
+        parts = []
+        for index in range(first, last + 1):
+            lo = max(offset, index * cs) - index * cs
+            hi = min(end, (index + 1) * cs) - index * cs
+            parts.append(self._fetcher.read(obj, index, lo, hi - lo))
+        return b"".join(parts)

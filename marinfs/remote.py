@@ -28,7 +28,7 @@ import fsspec.asyn
 import fsspec.config
 
 from marinfs.config import RemoteSettings
-from marinfs.errors import RemoteError, UsageError
+from marinfs.errors import RemoteError, StaleVersionError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +286,46 @@ class Remote:
         return list(result.values())
 
     # -- data ----------------------------------------------------------------------------------
-    def read_range(self, key: str, start: int, end: int) -> bytes:
-        data = self._call("get", self.fs.cat_file, self.full(key), start=start, end=end)
+    def read_range(self, key: str, start: int, end: int, version: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key``; with ``version``, of that version only.
+
+        The version is enforced where the store can (S3 ``If-Match``, GCS ``generation``) and
+        checked around the read elsewhere; a different version raises StaleVersionError, so a
+        cache keyed by version can never be filled with another version's bytes.
+        """
+        if start >= end:
+            return b""
+        full = self.full(key)
+        if version and self.protocol in ("s3", "s3a") and version.startswith("e"):
+            data = self._call("get", self._s3_get_if_match, full, start, end, version[1:])
+        elif version and self.protocol in ("gs", "gcs") and version.startswith("g"):
+            try:
+                data = self._call("get", fsspec.asyn.sync, self.fs.loop, self.fs._cat_file_sequential,
+                                  full, start=start, end=end, generation=version[1:])
+            except FileNotFoundError:
+                raise StaleVersionError(f"{self.url}: {key} is no longer generation {version[1:]}") from None
+        else:
+            data = self._call("get", self.fs.cat_file, full, start=start, end=end)
+            if version and self.stat(key).version != version:
+                raise StaleVersionError(f"{self.url}/{key} changed while it was read")
         self.stats.add_bytes(bytes_in=len(data))
         return data
+
+    def _s3_get_if_match(self, full: str, start: int, end: int, etag: str) -> bytes:
+        bucket, key, _ = self.fs.split_path(full)
+
+        async def get() -> bytes:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag,
+                                              Range=f"bytes={start}-{end - 1}")
+            except OSError as exc:
+                if "PreconditionFailed" in repr(exc.__cause__ or exc) or "412" in str(exc):
+                    raise StaleVersionError(f"{self.url}: {key} is no longer version {etag}") from None
+                raise
+            async with resp["Body"] as body:
+                return await body.read()
+
+        return fsspec.asyn.sync(self.fs.loop, get)
 
     def download(self, key: str, local_path: str) -> None:
         self._call("get", self.fs.get_file, self.full(key), local_path)

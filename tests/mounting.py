@@ -108,18 +108,25 @@ def daemon_pid(mnt: Path) -> int:
 
 @contextlib.contextmanager
 def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict | None = None,
+                    cache_size: int = 0, chunk_size: int = 8 << 20, metadata_ttl: float = 5.0,
                     **fs_kwargs: Any) -> Iterator[Any]:
     """Serve the mount from a thread of this process; yields the core Filesystem (whose
-    ``remote.stats`` counts the requests the test's syscalls caused)."""
+    ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
+    ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
+    from marinfs.chunkcache import ChunkCache
     from marinfs.fs import Filesystem
     from marinfs.fuse_ops import FuseAdapter, serve
     from marinfs.metadata import MetadataCache
+    from marinfs.reader import ChunkFetcher
     from marinfs.remote import Remote
 
     mnt.mkdir(parents=True, exist_ok=True)
     remote = Remote(url, storage_options)
-    fs = Filesystem(remote, staging_dir=cache_dir / "staging",
-                    metadata=MetadataCache(ttl=fs_kwargs.pop("metadata_ttl", 5.0)), **fs_kwargs)
+    cache = ChunkCache(cache_dir, cache_size) if cache_size else None
+    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size)
+    fs = Filesystem(remote, staging_dir=cache_dir / "staging", fetcher=fetcher,
+                    metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=min(metadata_ttl, 1.0)),
+                    **fs_kwargs)
     adapter = FuseAdapter(fs, os.getuid(), os.getgid(), 0o644, 0o755)
     errors: list[BaseException] = []
 
@@ -142,6 +149,9 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     finally:
         force_unmount(mnt)
         thread.join(timeout=30)
+        fetcher.close()
+        if cache is not None:
+            cache.close()
         # libfuse replaced the process's signal handlers; give Ctrl-C back to pytest.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)

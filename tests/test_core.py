@@ -17,7 +17,6 @@ from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_stor
 from marinfs.errors import CommitError, FsError, RemoteError, UsageError, errno_for
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
-from marinfs.reader import ObjectReader
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
 from marinfs.writer import StagedFile
 
@@ -121,14 +120,14 @@ def test_normalize_remote_rejects(raw: str) -> None:
 
 
 def test_mount_config_validate_accepts_defaults() -> None:
-    config = MountConfig(remote="s3://b", mountpoint="/mnt", metadata_ttl=0, read_block=64 * KiB)
+    config = MountConfig(remote="s3://b", mountpoint="/mnt", metadata_ttl=0, chunk_size=64 * KiB)
     assert config.validate() is config
 
 
 @pytest.mark.parametrize("override", [
     {"log_level": "loud"}, {"file_mode": 0o10000}, {"dir_mode": -1}, {"uid": -1}, {"gid": -2},
     {"metadata_ttl": -1}, {"negative_ttl": -0.5}, {"read_timeout": -1}, {"mount_timeout": -1},
-    {"retries": 0}, {"read_block": 1024},
+    {"retries": 0}, {"chunk_size": 1024},
 ])
 def test_mount_config_validate_rejects(override: dict[str, object]) -> None:
     with pytest.raises(UsageError):
@@ -217,46 +216,6 @@ def test_metadata_invalidate() -> None:
     assert not cache.is_missing("d/gone")
     assert cache.get_listing("") is None  # the parent's listing changed too
     assert cache.get_stat("dd") is not None  # a sibling sharing the prefix "d" is kept
-
-
-# -- reader ------------------------------------------------------------------------------------
-def recording_fetch(data: bytes, calls: list[tuple[int, int]]) -> Callable[[int, int], bytes]:
-    def fetch(start: int, end: int) -> bytes:
-        calls.append((start, end))
-        return data[start:end]
-    return fetch
-
-
-DATA_20M = bytes(range(256)) * (20 * MiB // 256)
-
-
-def test_reader_sequential_reads_fetch_whole_blocks() -> None:
-    calls: list[tuple[int, int]] = []
-    reader = ObjectReader(len(DATA_20M), recording_fetch(DATA_20M, calls), block=8 * MiB, min_fetch=1 * MiB)
-    out = [reader.read(128 * KiB, off) for off in range(0, len(DATA_20M), 128 * KiB)]
-    assert b"".join(out) == DATA_20M
-    assert calls == [(0, 8 * MiB), (8 * MiB, 16 * MiB), (16 * MiB, 20 * MiB)]
-
-
-def test_reader_random_read_fetches_min_fetch() -> None:
-    calls: list[tuple[int, int]] = []
-    reader = ObjectReader(len(DATA_20M), recording_fetch(DATA_20M, calls), block=8 * MiB, min_fetch=1 * MiB)
-    assert reader.read(4096, 10 * MiB) == DATA_20M[10 * MiB:10 * MiB + 4096]
-    assert calls == [(10 * MiB, 11 * MiB)]
-    assert reader.read(4096, 10 * MiB + 8192) == DATA_20M[10 * MiB + 8192:10 * MiB + 12288]
-    assert len(calls) == 1  # served from the buffer
-
-
-def test_reader_eof_and_short_fetch() -> None:
-    calls: list[tuple[int, int]] = []
-    data = b"0123456789"
-    reader = ObjectReader(len(data), recording_fetch(data, calls), block=64 * KiB)
-    assert reader.read(5, 10) == b"" and reader.read(5, 50) == b"" and reader.read(0, 0) == b""
-    assert calls == [] and reader.read(100, 7) == b"789"
-    short = ObjectReader(100, lambda start, end: b"abc", block=64 * KiB)
-    with pytest.raises(EOFError) as caught:
-        short.read(10, 0)
-    assert errno_for(caught.value) == errno.EIO
 
 
 # -- writer ------------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""On-disk chunk store: bounded size, LRU eviction, checksums, atomic writes, survives restarts.
+
+A chunk is ``chunk_size`` bytes of one object version, stored as one file named by a hash of
+(remote URL, version) plus the chunk index and the data's CRC32:
+``chunks/ab/<objhash>-<index>-<crc>``. A new version of an object has a new hash, so it can
+never be served old bytes. Files are written under a temporary name and renamed, and enter the
+index only once complete, so a crash or a full disk never leaves a chunk that looks present.
+
+INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariants`): space is
+reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk
+that cannot fit is simply not cached.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from marinfs.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Identity of one chunk: which object version, which chunk of it."""
+
+    url: str
+    version: str
+    index: int
+
+    @property
+    def object_id(self) -> str:
+        return hashlib.sha256(f"{self.url}\0{self.version}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+@dataclass
+class _Entry:
+    path: Path
+    size: int
+    crc: int
+    verified: bool = False  # checksum checked since this daemon started
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    write_failures: int = 0
+
+
+class ChunkCache:
+    """The chunk store of one cache directory. Thread-safe; disk I/O is done outside the lock.
+
+    Only one daemon may use a cache directory at a time: a second one is refused (lock file),
+    because two LRU indexes over one directory would evict each other's chunks blindly.
+    """
+
+    def __init__(self, cache_dir: Path, max_bytes: int, min_free_bytes: int = 0,
+                 lock: bool = True) -> None:
+        self.dir = cache_dir / "chunks"
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU order, oldest first
+        self.used = 0
+        self._reserved = 0
+        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(cache_dir, 0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        self._lock_fd: int | None = None
+        if lock:
+            self._lock_fd = acquire_lock(cache_dir)
+        self._load()
+
+    # -- startup -------------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Rebuild the index from disk, oldest access first; drop leftovers and excess."""
+        found = []
+        for sub in self.dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                name = path.name
+                if name.startswith("tmp"):
+                    path.unlink(missing_ok=True)  # a write that never finished
+                    continue
+                try:
+                    object_id, index, crc = name.rsplit("-", 2)
+                    st = path.stat()
+                    found.append((st.st_atime_ns, (object_id, int(index)), path, st.st_size, int(crc, 16)))
+                except (ValueError, OSError):
+                    path.unlink(missing_ok=True)
+        found.sort(key=lambda item: item[0])
+        for _, key, path, size, crc in found:
+            self._index[key] = _Entry(path, size, crc)
+            self.used += size
+        with self._lock:
+            self._evict_locked(0)
+        log.info("chunk cache %s: %d chunks, %d bytes (limit %d)", self.dir, len(self._index),
+                 self.used, self.max_bytes)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read(self, key: ChunkKey, offset: int, size: int) -> bytes | None:
+        """Bytes ``[offset, offset+size)`` of a cached chunk, or None on a miss.
+
+        A chunk's checksum is verified the first time it is read after a (re)start; a corrupt
+        chunk is discarded (a miss), never served.
+        """
+        ikey = (key.object_id, key.index)
+        with self._lock:
+            entry = self._index.get(ikey)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(ikey)
+            verified = entry.verified
+        try:
+            if not verified:
+                data = entry.path.read_bytes()
+                if zlib.crc32(data) != entry.crc or len(data) != entry.size:
+                    self._discard(ikey, entry, corrupt=True)
+                    return None
+                entry.verified = True
+                self._hit()
+                return data[offset:offset + size]
+            with open(entry.path, "rb", buffering=0) as f:
+                data = os.pread(f.fileno(), size, offset)
+        except FileNotFoundError:
+            self._discard(ikey, entry)
+            return None
+        self._hit()
+        return data
+
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return (key.object_id, key.index) in self._index
+
+    def _hit(self) -> None:
+        with self._lock:
+            self.stats.hits += 1
+
+    def _discard(self, ikey: tuple[str, int], entry: _Entry, corrupt: bool = False) -> None:
+        with self._lock:
+            if self._index.get(ikey) is entry:
+                del self._index[ikey]
+                self.used -= entry.size
+            self.stats.misses += 1
+            if corrupt:
+                self.stats.corrupt += 1
+        if corrupt:
+            log.warning("cached chunk %s failed its checksum; refetching", entry.path)
+        entry.path.unlink(missing_ok=True)
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: bytes) -> bool:
+        """Store a chunk. False (and nothing stored) when it cannot fit or the disk says no."""
+        size = len(data)
+        ikey = (key.object_id, key.index)
+        with self._lock:
+            self.stats.bytes_fetched += size
+            if ikey in self._index:
+                return True
+            if size > self.max_bytes or not self._evict_locked(size):
+                return False
+            self._reserved += size  # counted in `used` from now on, so the limit holds
+            self.used += size
+        crc = zlib.crc32(data)
+        sub = self.dir / key.object_id[:2]
+        path = sub / f"{key.object_id}-{key.index}-{crc:08x}"
+        tmp = None
+        try:
+            sub.mkdir(exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(prefix="tmp", dir=sub)  # 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
+            with self._lock:
+                self._reserved -= size
+                self.used -= size
+                self.stats.write_failures += 1
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("cannot cache chunk %s: %s", path, exc)
+            return False
+        with self._lock:
+            self._reserved -= size
+            self._index[ikey] = _Entry(path, size, crc, verified=True)
+        return True
+
+    def _evict_locked(self, incoming: int) -> bool:
+        """Make room for ``incoming`` bytes under the size limit and the free-space floor."""
+        while self.used + incoming > self.max_bytes or (incoming and self._low_on_disk(incoming)):
+            if not self._index:
+                return self.used + incoming <= self.max_bytes and not (incoming and self._low_on_disk(incoming))
+            ikey, entry = self._index.popitem(last=False)
+            self.used -= entry.size
+            self.stats.evictions += 1
+            entry.path.unlink(missing_ok=True)
+        return True
+
+    def _low_on_disk(self, incoming: int) -> bool:
+        if not self.min_free_bytes:
+            return False
+        try:
+            return shutil.disk_usage(self.dir).free - incoming < self.min_free_bytes
+        except OSError:
+            return False
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def clear(self) -> None:
+        with self._lock:
+            entries = list(self._index.values())
+            self._index.clear()
+            self.used -= sum(e.size for e in entries)
+        for entry in entries:
+            entry.path.unlink(missing_ok=True)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            s = self.stats
+            return {"bytes_used": self.used, "bytes_limit": self.max_bytes, "chunks": len(self._index),
+                    "hits": s.hits, "misses": s.misses, "bytes_fetched": s.bytes_fetched,
+                    "evictions": s.evictions, "corrupt": s.corrupt, "write_failures": s.write_failures}
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert self.used <= self.max_bytes, (self.used, self.max_bytes)
+            assert self.used == sum(e.size for e in self._index.values()) + self._reserved
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def acquire_lock(cache_dir: Path) -> int:
+    """Take the cache directory's lock, or fail with the PID that holds it."""
+    path = cache_dir / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise UsageError(f"cache directory {cache_dir} is in use by marinfs PID {holder}; "
+                         f"give this mount its own --cache-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def lock_holder(cache_dir: Path) -> int | None:
+    """The PID of the daemon using ``cache_dir``, or None when it is free."""
+    path = cache_dir / "lock"
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)

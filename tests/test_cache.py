@@ -1,0 +1,264 @@
+"""The read path through real mounts: chunk cache, readahead, kernel caching, `marinfs cache`.
+
+In-process mounts, so the test reads the daemon's own counters: GETs are exact where
+timings are noisy."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import object_store
+from mounting import MARINFS, fsspec_client, inprocess_mount
+
+MiB = 1 << 20
+CHUNK = 1 * MiB  # small chunks keep CI sizes small while exercising many chunks
+
+
+@dataclass
+class Remote:
+    url: str
+    client: Any
+    root: str
+    options: dict
+
+    def put(self, rel: str, data: bytes) -> None:
+        path = f"{self.root}/{rel}"
+        self.client.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # local: real parent dirs
+        self.client.pipe_file(path, data)
+
+
+@pytest.fixture(params=["local", "s3", "gcs"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
+    if request.param == "local":
+        (tmp_path / "remote").mkdir()
+        url, options = str(tmp_path / "remote"), {}
+    else:
+        url, options, _ = object_store(request, request.param)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    return Remote(url, client, root, options)
+
+
+@contextlib.contextmanager
+def mount(remote: Remote, tmp_path: Path, name: str = "mnt", **kwargs: Any) -> Iterator[Any]:
+    kwargs.setdefault("cache_size", 256 * MiB)
+    kwargs.setdefault("chunk_size", CHUNK)
+    with inprocess_mount(remote.url, tmp_path / name, tmp_path / "cache", storage_options=remote.options or None,
+                         **kwargs) as core:
+        yield core
+
+
+def gets(core: Any) -> int:
+    return core.remote.stats.count("get")
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def read_in_child(path: Path) -> bytes:
+    # A child process: a page fault or read served by this very process must not hold the GIL.
+    return subprocess.run(["cat", str(path)], capture_output=True, check=True, timeout=120).stdout
+
+
+def test_cached_reads_are_byte_exact_and_survive_a_remount(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(5 * MiB + 333)
+    remote.put("f.bin", data)
+    with mount(remote, tmp_path) as core:
+        assert read_in_child(tmp_path / "mnt/f.bin") == data
+        assert gets(core) == 6  # one ranged GET per chunk, no byte fetched twice
+        assert core.fetcher.cache.stats.bytes_fetched == len(data)
+        drop_page_cache()
+        assert read_in_child(tmp_path / "mnt/f.bin") == data
+        assert gets(core) == 6  # warm: from the chunk cache
+    with mount(remote, tmp_path) as core:  # a new daemon over the same cache dir
+        assert read_in_child(tmp_path / "mnt/f.bin") == data
+        assert gets(core) == 0
+
+
+def test_remote_overwrite_is_seen_after_the_ttl_never_old_chunks(remote: Remote, tmp_path: Path) -> None:
+    old, new = os.urandom(3 * MiB), os.urandom(3 * MiB)
+    remote.put("f", old)
+    with mount(remote, tmp_path, metadata_ttl=0.3) as core:
+        assert read_in_child(tmp_path / "mnt/f") == old
+        remote.put("f", new)  # another node rewrites it (same size)
+        if not remote.url.startswith(("s3", "gs")):
+            os.utime(Path(remote.root) / "f", ns=(1, 10**18))  # a distinct local version
+        import time
+
+        time.sleep(1.6)  # our TTL (0.3 s) plus the kernel's attribute timeout (1 s)
+        assert read_in_child(tmp_path / "mnt/f") == new
+        assert core.fetcher.cache.snapshot()["chunks"] == 6  # both versions, keyed apart
+
+
+def test_flipped_byte_in_a_cached_chunk_is_refetched(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(2 * MiB)
+    remote.put("f", data)
+    with mount(remote, tmp_path):
+        assert read_in_child(tmp_path / "mnt/f") == data
+    chunk = sorted((tmp_path / "cache/chunks").rglob("*-0-*"))[0]
+    raw = bytearray(chunk.read_bytes())
+    raw[1000] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with mount(remote, tmp_path) as core:
+        drop_page_cache()
+        assert read_in_child(tmp_path / "mnt/f") == data
+        assert core.fetcher.cache.stats.corrupt == 1 and gets(core) == 1
+
+
+def test_reading_three_times_the_cache_size_never_exceeds_it(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(12 * MiB)
+    remote.put("big", data)
+    with mount(remote, tmp_path, cache_size=4 * MiB) as core:
+        cache = core.fetcher.cache
+        done = threading.Event()
+        peak = [0]
+
+        def watch() -> None:
+            while not done.is_set():
+                cache.check_invariants()
+                peak[0] = max(peak[0], cache.used)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert hashlib.sha256(read_in_child(tmp_path / "mnt/big")).digest() == hashlib.sha256(data).digest()
+        finally:
+            done.set()
+            watcher.join()
+        assert peak[0] <= 4 * MiB and cache.used <= 4 * MiB
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/chunks").rglob("*") if p.is_file())
+        assert on_disk <= 4 * MiB and cache.stats.evictions >= 8
+
+
+def test_concurrent_readers_fetch_each_chunk_once(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(8 * MiB)
+    remote.put("shared", data)
+    with mount(remote, tmp_path) as core:
+        procs = [subprocess.Popen(["sha256sum", str(tmp_path / "mnt/shared")], stdout=subprocess.PIPE)
+                 for _ in range(8)]
+        outs = [p.communicate(timeout=120)[0].split()[0].decode() for p in procs]
+        assert outs == [hashlib.sha256(data).hexdigest()] * 8
+        assert gets(core) == 8  # 8 chunks, each fetched once for 8 readers
+
+
+MMAP_RANDOM = """
+import mmap, random, sys, hashlib
+random.seed(7)
+with open(sys.argv[1], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    pages = sorted(random.sample(range(len(m) // 4096), 300))
+    print(hashlib.sha256(b"".join(m[p * 4096:(p + 1) * 4096] for p in pages)).hexdigest())
+"""
+
+
+def test_mmap_random_pages_of_a_64_mib_file(remote: Remote, tmp_path: Path) -> None:
+    if remote.url.startswith("gs"):
+        pytest.skip("64 MiB objects are slow on the GCS emulator; covered on local and S3")
+    import random
+
+    data = os.urandom(64 * MiB)
+    remote.put("weights.safetensors", data)
+    random.seed(7)
+    pages = sorted(random.sample(range(len(data) // 4096), 300))
+    expect = hashlib.sha256(b"".join(data[p * 4096:(p + 1) * 4096] for p in pages)).hexdigest()
+    with mount(remote, tmp_path, chunk_size=8 * MiB):
+        out = subprocess.run([sys.executable, "-c", MMAP_RANDOM, str(tmp_path / "mnt/weights.safetensors")],
+                             capture_output=True, text=True, check=True, timeout=120)
+        assert out.stdout.strip() == expect
+
+
+def test_cache_warm_then_read_costs_no_gets(remote: Remote, tmp_path: Path) -> None:
+    for i in range(3):
+        remote.put(f"tree/part{i}", os.urandom(3 * MiB))
+    with mount(remote, tmp_path) as core:
+        out = subprocess.run([*MARINFS, "cache", "warm", str(tmp_path / "mnt/tree"), "--quiet"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("warmed 3 files, 9.0 MiB")
+        before = gets(core)
+        assert before == 9
+        drop_page_cache()
+        for i in range(3):
+            read_in_child(tmp_path / f"mnt/tree/part{i}")
+        assert gets(core) == before
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB filesystem for the cache directory: it fills at once (root only)."""
+    path = tmp_path / "tiny"
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_cache_disk_degrades_to_uncached_reads(tiny_tmpfs: Path, tmp_path: Path) -> None:
+    (tmp_path / "remote").mkdir()
+    data = os.urandom(6 * MiB)
+    (tmp_path / "remote/f").write_bytes(data)
+    with inprocess_mount(str(tmp_path / "remote"), tmp_path / "mnt", tiny_tmpfs, cache_size=64 * MiB,
+                         chunk_size=CHUNK) as core:
+        assert read_in_child(tmp_path / "mnt/f") == data
+        assert core.fetcher.cache.stats.write_failures >= 1
+        core.fetcher.cache.check_invariants()
+
+
+def test_cache_cli_stats_clear_and_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote/f").write_bytes(os.urandom(2 * MiB))
+    cache_dir = tmp_path / "cache"
+    with inprocess_mount(str(tmp_path / "remote"), tmp_path / "mnt", cache_dir, cache_size=64 * MiB,
+                         chunk_size=CHUNK):
+        read_in_child(tmp_path / "mnt/f")
+        busy = subprocess.run([*MARINFS, "cache", "clear", "--cache-dir", str(cache_dir)],
+                              capture_output=True, text=True)
+        assert busy.returncode == 1 and "in use" in busy.stderr
+    out = subprocess.run([*MARINFS, "cache", "stats", "--cache-dir", str(cache_dir), "--json"],
+                         capture_output=True, text=True, check=True)
+    assert '"chunks_on_disk": 2' in out.stdout
+    out = subprocess.run([*MARINFS, "cache", "clear", "--cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, check=True)
+    assert "removed 2 chunks" in out.stdout
+    bad = subprocess.run([*MARINFS, "cache", "warm", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not under a marinfs mount" in bad.stderr
+    bad = subprocess.run([*MARINFS, "cache", "stats", "--cache-dir", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_kernel_keeps_its_page_cache_while_the_version_is_unchanged(tmp_path: Path) -> None:
+    (tmp_path / "remote").mkdir()
+    data = os.urandom(4 * MiB)
+    (tmp_path / "remote/f").write_bytes(data)
+    with inprocess_mount(str(tmp_path / "remote"), tmp_path / "mnt", tmp_path / "cache", cache_size=64 * MiB,
+                         chunk_size=CHUNK) as core:
+        assert read_in_child(tmp_path / "mnt/f") == data
+        hits = core.fetcher.cache.stats.hits
+        assert read_in_child(tmp_path / "mnt/f") == data
+        assert core.fetcher.cache.stats.hits == hits  # the second read never reached us
+
+
+def test_write_then_read_back_through_the_cache(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB + 5)
+    with mount(remote, tmp_path):
+        (tmp_path / "mnt/w.bin").write_bytes(data)
+        drop_page_cache()
+        assert read_in_child(tmp_path / "mnt/w.bin") == data
+    assert remote.client.cat_file(f"{remote.root}/w.bin") == data
