@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test system-deps venv clean
+.PHONY: run test bench system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -30,6 +30,9 @@ run: system-deps venv
 
 test: system-deps venv
 	$(VENV)/bin/python -m pytest
+
+bench: system-deps venv
+	$(VENV)/bin/python benchmarks/read_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

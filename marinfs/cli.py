@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", type=Path, default=None)
     m.add_argument("--metadata-ttl", type=float, default=5.0, help="seconds a stat or listing is trusted")
     m.add_argument("--negative-ttl", type=float, default=1.0, help="seconds a 'does not exist' is trusted")
+    m.add_argument("--list-ttl", type=float, default=None, help="seconds a directory listing is trusted (default: --metadata-ttl)")
+    m.add_argument("--immutable", action="append", default=[], metavar="GLOB",
+                   help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'")
     m.add_argument("--mount-timeout", type=float, default=60.0)
     m.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to connect to the remote")
     m.add_argument("--read-timeout", type=float, default=120.0, help="seconds a remote response may stall")
@@ -106,7 +109,8 @@ def _mount_config(ns: argparse.Namespace) -> MountConfig:
         file_mode=ns.file_mode, dir_mode=ns.dir_mode, log_level=ns.log_level,
         log_file=os.path.abspath(ns.log_file) if ns.log_file else None, foreground=ns.foreground,
         cache_dir=(ns.cache_dir or default_cache_dir()).absolute(), metadata_ttl=ns.metadata_ttl,
-        negative_ttl=ns.negative_ttl, mount_timeout=ns.mount_timeout,
+        negative_ttl=ns.negative_ttl, list_ttl=ns.list_ttl, immutable=tuple(ns.immutable),
+        mount_timeout=ns.mount_timeout,
         connect_timeout=ns.connect_timeout, read_timeout=ns.read_timeout, retries=ns.retries,
         chunk_size=ns.chunk_size, cache_size=ns.cache_size, cache_min_free=ns.cache_min_free,
         prefetch_workers=ns.prefetch_workers, read_ahead_kb=ns.read_ahead_kb,

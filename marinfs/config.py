@@ -73,6 +73,9 @@ class MountConfig:
     # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
     metadata_ttl: float = 5.0
     negative_ttl: float = 1.0
+    list_ttl: float | None = None  # None: the same as metadata_ttl
+    # Globs of paths whose objects never change once written: cached without revalidation.
+    immutable: tuple[str, ...] = ()
     # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
     chunk_size: int = 8 << 20
     # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
@@ -104,8 +107,9 @@ class MountConfig:
         for name in ("uid", "gid"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name} must be >= 0")
-        for name in ("metadata_ttl", "negative_ttl", "connect_timeout", "read_timeout", "mount_timeout"):
-            if getattr(self, name) < 0:
+        for name in ("metadata_ttl", "negative_ttl", "list_ttl", "connect_timeout", "read_timeout",
+                     "mount_timeout"):
+            if (getattr(self, name) or 0) < 0:
                 raise UsageError(f"{name.replace('_', '-')} must be >= 0")
         if self.retries < 1:
             raise UsageError("--retries must be >= 1")

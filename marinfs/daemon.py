@@ -69,7 +69,8 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers)
-    metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl)
+    metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
+                             immutable=cfg.immutable)
     return Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
                       read_only=cfg.read_only, fetcher=fetcher,
                       max_readahead_chunks=cfg.max_readahead_chunks)
@@ -171,6 +172,10 @@ def start_background(cfg: MountConfig) -> Path:
             "--chunk-size", str(cfg.chunk_size), "--cache-size", str(cfg.cache_size),
             "--cache-min-free", str(cfg.cache_min_free), "--prefetch-workers", str(cfg.prefetch_workers),
             "--read-ahead-kb", str(cfg.read_ahead_kb)]
+    if cfg.list_ttl is not None:
+        argv += ["--list-ttl", str(cfg.list_ttl)]
+    for glob in cfg.immutable:
+        argv += ["--immutable", glob]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
     env = dict(os.environ)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))

@@ -96,7 +96,7 @@ class Filesystem:
         if self.metadata.is_missing(key):
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         try:
-            info = self.remote.stat(key)
+            info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
         except FileNotFoundError:
             self.metadata.put_missing(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
@@ -212,8 +212,8 @@ class Filesystem:
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:
             previous = self._kernel_versions.get(key)
-            handle.keep_kernel_cache = (not writable and info.version is not None
-                                        and previous == info.version and key not in self._staged)
+            handle.keep_kernel_cache = (not writable and info.version is not None and key not in self._staged
+                                        and (previous == info.version or self.metadata.is_immutable(key)))
             self._kernel_versions[key] = None if writable else info.version
         return self._new_handle(handle)
 

@@ -1,51 +1,102 @@
-"""Stat and listing cache with TTLs and a negative cache.
+"""Stat and listing cache with TTLs, a negative cache, and immutable paths.
 
-A listing fills the stat cache, so ``ls -l`` of N objects costs one LIST and no HEADs. Our own
-writes invalidate what they change, so the writing node reads its writes at once; other nodes
-see them when their TTL expires.
+A listing fills the stat cache, so ``ls -l`` of N objects costs one LIST per 1,000 and no HEADs.
+Our own writes invalidate what they change, so the writing node reads its writes at once; other
+nodes see them when their TTL expires. Files under an ``immutable`` glob (checkpoint steps,
+versioned artifacts: objects that never change once written) keep their stat until evicted.
 """
 
 from __future__ import annotations
 
 import posixpath
+import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from cachetools import TTLCache
+from cachetools import LRUCache, TTLCache
 
 from marinfs.remote import ObjectInfo
 
 
+def compile_glob(pattern: str) -> re.Pattern[str]:
+    """A path glob relative to the mount root: ``*`` and ``?`` stay within one path component,
+    ``**`` spans any number of them (``checkpoints/*/step-*/**``)."""
+    out, i = [], 0
+    pattern = pattern.strip("/")
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 class MetadataCache:
-    """Thread-safe TTL caches of stats, listings and known-missing keys.
+    """Thread-safe caches of stats, listings and known-missing keys.
 
     ``timer`` is injectable so TTL tests need no sleeps. A TTL of 0 disables that cache.
     """
 
-    def __init__(self, ttl: float = 5.0, negative_ttl: float = 1.0, maxsize: int = 200_000,
+    def __init__(self, ttl: float = 5.0, negative_ttl: float = 1.0, list_ttl: float | None = None,
+                 immutable: Sequence[str] = (), maxsize: int = 200_000,
                  timer: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self.ttl = ttl
         self.negative_ttl = negative_ttl
+        self.list_ttl = ttl if list_ttl is None else list_ttl
+        self._immutable = [compile_glob(g) for g in immutable]
         self._stats: TTLCache[str, ObjectInfo] = TTLCache(maxsize, ttl or 1e-9, timer=timer)
-        self._listings: TTLCache[str, tuple[str, ...]] = TTLCache(max(1, maxsize // 10), ttl or 1e-9, timer=timer)
+        self._pinned: LRUCache[str, ObjectInfo] = LRUCache(maxsize)
+        self._listings: TTLCache[str, tuple[ObjectInfo, ...]] = TTLCache(
+            max(1, maxsize // 10), self.list_ttl or 1e-9, timer=timer)
         self._missing: TTLCache[str, bool] = TTLCache(maxsize, negative_ttl or 1e-9, timer=timer)
+        # Whether a key was a directory when last seen, kept past every TTL: a hint that makes
+        # revalidating a known directory one request instead of two.
+        self._was_dir: LRUCache[str, bool] = LRUCache(maxsize)
+
+    def was_dir(self, key: str) -> bool:
+        with self._lock:
+            return self._was_dir.get(key, False)
+
+    def is_immutable(self, key: str) -> bool:
+        return any(p.match(key) for p in self._immutable)
 
     def get_stat(self, key: str) -> ObjectInfo | None:
         with self._lock:
-            return self._stats.get(key)
+            return self._pinned.get(key) or self._stats.get(key)
 
     def is_missing(self, key: str) -> bool:
         with self._lock:
             return self._missing.get(key, False)
 
-    def put_stat(self, info: ObjectInfo) -> None:
-        if self.ttl <= 0:
-            return
-        with self._lock:
+    def _put_locked(self, info: ObjectInfo) -> None:
+        self._was_dir[info.name] = info.is_dir
+        if not info.is_dir and self._immutable and self.is_immutable(info.name):
+            self._pinned[info.name] = info
+            # Its directories exist as long as it does: resolving its path costs nothing either.
+            parent = posixpath.dirname(info.name)
+            while parent and parent not in self._pinned:
+                self._pinned[parent] = ObjectInfo(name=parent, is_dir=True)
+                parent = posixpath.dirname(parent)
+        elif self.ttl > 0:
             self._stats[info.name] = info
-            self._missing.pop(info.name, None)
+        self._missing.pop(info.name, None)
+
+    def put_stat(self, info: ObjectInfo) -> None:
+        with self._lock:
+            self._put_locked(info)
 
     def put_missing(self, key: str) -> None:
         if self.negative_ttl <= 0:
@@ -53,50 +104,42 @@ class MetadataCache:
         with self._lock:
             self._missing[key] = True
             self._stats.pop(key, None)
+            self._pinned.pop(key, None)
+            parent = posixpath.dirname(key)
+            listing = self._listings.get(parent)
+            if listing is not None and any(c.name == key for c in listing):
+                del self._listings[parent]  # it listed what is gone
 
     def get_listing(self, key: str) -> list[ObjectInfo] | None:
-        """The cached children of ``key``, only if every child's stat is still cached too."""
         with self._lock:
-            names = self._listings.get(key)
-            if names is None:
-                return None
-            children = []
-            for name in names:
-                info = self._stats.get(posixpath.join(key, name) if key else name)
-                if info is None:
-                    return None
-                children.append(info)
-            return children
+            children = self._listings.get(key)
+            return None if children is None else list(children)
 
     def put_listing(self, key: str, children: Iterable[ObjectInfo]) -> None:
-        if self.ttl <= 0:
-            return
-        children = list(children)
+        children = tuple(children)
         with self._lock:
             for info in children:
-                self._stats[info.name] = info
-                self._missing.pop(info.name, None)
-            self._listings[key] = tuple(posixpath.basename(info.name) for info in children)
+                self._put_locked(info)
+            if self.list_ttl > 0:
+                self._listings[key] = children
 
     def invalidate(self, key: str) -> None:
         """Forget ``key`` and its parent's listing (its entry may have appeared or gone)."""
         with self._lock:
-            self._stats.pop(key, None)
-            self._missing.pop(key, None)
-            self._listings.pop(key, None)
+            for cache in (self._stats, self._pinned, self._missing, self._listings):
+                cache.pop(key, None)
             self._listings.pop(posixpath.dirname(key), None)
 
     def invalidate_tree(self, key: str) -> None:
         """Forget ``key`` and everything below it (directory renames and removals)."""
         prefix = key + "/" if key else ""
         with self._lock:
-            for cache in (self._stats, self._missing, self._listings):
+            for cache in (self._stats, self._pinned, self._missing, self._listings):
                 for name in [n for n in list(cache.keys()) if n == key or n.startswith(prefix)]:
                     cache.pop(name, None)
             self._listings.pop(posixpath.dirname(key), None)
 
     def clear(self) -> None:
         with self._lock:
-            self._stats.clear()
-            self._listings.clear()
-            self._missing.clear()
+            for cache in (self._stats, self._pinned, self._missing, self._listings, self._was_dir):
+                cache.clear()

@@ -224,21 +224,24 @@ class Remote:
             raise UsageError(f"cannot reach {self.url}: {_one_line(exc)}") from None
 
     # -- metadata ------------------------------------------------------------------------------
-    def stat(self, key: str) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
         """The object or directory at ``key``; FileNotFoundError when neither exists.
 
         On object stores a file costs one request (a HEAD, or GCS's metadata GET) and a
         directory two (that HEAD, then a one-key delimited LIST), where fsspec's ``info`` spends
-        two to three on either.
+        two to three on either. ``likely_dir`` (it was a directory last time) asks the LIST
+        first, so revalidating a known directory costs one request.
         """
         if not (self.object_store and key):
             return self._info_of(self._call("head", self.fs.info, self.full(key)), key)
         full = self.full(key)
+        if likely_dir and self._call("list", self._prefix_exists, full):
+            return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
         try:
             return self._info_of(self._call("head", self._head_object, full), key)
         except FileNotFoundError:
             pass
-        if self._call("list", self._prefix_exists, full):
+        if not likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)
         raise FileNotFoundError(errno.ENOENT, "no such object or prefix", self.url + "/" + key)
 

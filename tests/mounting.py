@@ -109,7 +109,8 @@ def daemon_pid(mnt: Path) -> int:
 @contextlib.contextmanager
 def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict | None = None,
                     cache_size: int = 0, chunk_size: int = 8 << 20, metadata_ttl: float = 5.0,
-                    **fs_kwargs: Any) -> Iterator[Any]:
+                    negative_ttl: float = 1.0, list_ttl: float | None = None,
+                    immutable: tuple[str, ...] = (), **fs_kwargs: Any) -> Iterator[Any]:
     """Serve the mount from a thread of this process; yields the core Filesystem (whose
     ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
     ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
@@ -125,7 +126,8 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     cache = ChunkCache(cache_dir, cache_size) if cache_size else None
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size)
     fs = Filesystem(remote, staging_dir=cache_dir / "staging", fetcher=fetcher,
-                    metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=min(metadata_ttl, 1.0)),
+                    metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=negative_ttl, list_ttl=list_ttl,
+                                           immutable=immutable),
                     **fs_kwargs)
     adapter = FuseAdapter(fs, os.getuid(), os.getgid(), 0o644, 0o755)
     errors: list[BaseException] = []
@@ -133,7 +135,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     def run() -> None:
         try:
             serve(adapter, str(mnt), fsname=url, read_only=fs.read_only, allow_other=False,
-                  attr_timeout=1.0, negative_timeout=0.0)
+                  attr_timeout=min(metadata_ttl, 1.0), negative_timeout=min(negative_ttl, 1.0))
         except BaseException as exc:  # noqa: BLE001 - reported to the test below
             errors.append(exc)
 

@@ -139,7 +139,8 @@ def test_reading_three_times_the_cache_size_never_exceeds_it(remote: Remote, tmp
             watcher.join()
         assert peak[0] <= 4 * MiB and cache.used <= 4 * MiB
         on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/chunks").rglob("*") if p.is_file())
-        assert on_disk <= 4 * MiB and cache.stats.evictions >= 8
+        assert on_disk <= 4 * MiB and cache.stats.evictions >= 4  # (a chunk that finds every slot
+        # reserved by concurrent fetches is served without being cached: the limit wins)
 
 
 def test_concurrent_readers_fetch_each_chunk_once(remote: Remote, tmp_path: Path) -> None:

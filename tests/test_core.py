@@ -177,22 +177,33 @@ def test_metadata_stat_and_negative_ttl() -> None:
     assert off.get_stat("a") is None and off.get_listing("d") is None and not off.is_missing("m")
 
 
-def test_metadata_listing_needs_every_child_stat() -> None:
+def test_metadata_listing_ttl_and_a_vanished_child() -> None:
     clock = FakeClock()
-    cache = MetadataCache(ttl=5.0, maxsize=20, timer=clock)
+    cache = MetadataCache(ttl=5.0, list_ttl=2.0, maxsize=20, timer=clock)
     children = [info("d/a"), info("d/sub", is_dir=True)]
     cache.put_listing("d", children)
     assert cache.get_listing("d") == children
     assert cache.get_stat("d/sub") == children[1]  # a listing fills the stat cache
-    cache.put_missing("d/a")  # one child's stat is gone: the listing is no longer trusted
+    cache.put_missing("d/a")  # a child is known gone: the listing is no longer trusted
     assert cache.get_listing("d") is None
-    cache.put_listing("e", [info("e/a")])
-    for i in range(20):  # evict e/a from the (LRU) stat cache
-        cache.put_stat(info(f"other{i}"))
-    assert cache.get_stat("e/a") is None and cache.get_listing("e") is None
     cache.put_listing("f", [info("f/a")])
-    clock.now += 5.1
-    assert cache.get_listing("f") is None and cache.get_stat("f/a") is None
+    clock.now += 2.1
+    assert cache.get_listing("f") is None and cache.get_stat("f/a") is not None  # list TTL < stat TTL
+    clock.now += 3.0
+    assert cache.get_stat("f/a") is None
+
+
+def test_metadata_immutable_paths_never_expire() -> None:
+    clock = FakeClock()
+    cache = MetadataCache(ttl=1.0, immutable=["checkpoints/*/step-*/**"], timer=clock)
+    cache.put_stat(info("checkpoints/run1/step-100/shard-0.bin"))
+    cache.put_stat(info("checkpoints/run1/latest.json"))
+    clock.now += 3600
+    assert cache.get_stat("checkpoints/run1/step-100/shard-0.bin") is not None
+    assert cache.get_stat("checkpoints/run1/latest.json") is None
+    assert cache.is_immutable("checkpoints/r/step-1/a/b/c") and not cache.is_immutable("checkpoints/r/step-1")
+    cache.invalidate("checkpoints/run1/step-100/shard-0.bin")  # our own write still invalidates
+    assert cache.get_stat("checkpoints/run1/step-100/shard-0.bin") is None
 
 
 def test_metadata_invalidate() -> None:

@@ -1,0 +1,179 @@
+"""Many nodes, one tree: two daemons (separate cache dirs) on one bucket prefix, plus a plain
+fsspec client standing for other Marin code. Node A is a `marinfs mount` subprocess; node B
+runs in this process so the test can read its request counters."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import object_store
+from mounting import fsspec_client, inprocess_mount, subprocess_mount
+
+MiB = 1 << 20
+TTL = 1.0  # metadata TTL of both nodes; the kernel caches attributes min(TTL, 1 s) on top
+NEG_TTL = 0.5
+VISIBLE_WITHIN = 2 * TTL + 1.5  # our TTL + the kernel's + margin
+
+
+@dataclass
+class Nodes:
+    a: Path  # mount of node A (subprocess daemon)
+    b: Path  # mount of node B (in-process)
+    b_core: Any  # node B's Filesystem
+    client: Any  # node C: a plain fsspec client
+    root: str
+
+    def c_put(self, rel: str, data: bytes) -> None:
+        self.client.pipe_file(f"{self.root}/{rel}", data)
+
+    def b_requests(self) -> dict[str, int]:
+        return dict(self.b_core.remote.stats.snapshot()["requests"])
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
+    url, options, env = object_store(request, request.param)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    client.pipe_file(f"{root}/.keep", b"")  # the prefix exists before either node mounts
+    immutable = getattr(request, "param_immutable", ())
+    with subprocess_mount(url, tmp_path / "a", tmp_path / "cache-a", "--metadata-ttl", str(TTL),
+                          "--negative-ttl", str(NEG_TTL), env=env), \
+            inprocess_mount(url, tmp_path / "b", tmp_path / "cache-b", storage_options=options,
+                            cache_size=256 * MiB, chunk_size=1 * MiB, metadata_ttl=TTL,
+                            negative_ttl=NEG_TTL, immutable=("ckpt/*/step-*/**",) + tuple(immutable)) as core:
+        yield Nodes(tmp_path / "a", tmp_path / "b", core, client, root)
+
+
+def eventually(check: Callable[[], bool], within: float = VISIBLE_WITHIN) -> float:
+    """Seconds until ``check()`` held; fails after ``within``."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > within:
+            pytest.fail(f"not visible within {within} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def exists(path: Path) -> bool:
+    return os.path.exists(path)
+
+
+def test_create_on_a_is_visible_on_b_only_after_close(nodes: Nodes) -> None:
+    with open(nodes.a / "new.bin", "wb") as f:
+        f.write(b"part one;")
+        f.flush()
+        deadline = time.monotonic() + VISIBLE_WITHIN
+        while time.monotonic() < deadline:  # not committed: B must not see it
+            assert not exists(nodes.b / "new.bin")
+            time.sleep(0.1)
+        f.write(b"part two")
+    eventually(lambda: exists(nodes.b / "new.bin"))
+    assert (nodes.b / "new.bin").read_bytes() == b"part one;part two"
+
+
+def test_overwrite_on_a_is_read_by_b_after_the_ttl(nodes: Nodes) -> None:
+    nodes.c_put("f", b"old" * 1000)
+    eventually(lambda: exists(nodes.b / "f"))
+    assert (nodes.b / "f").read_bytes() == b"old" * 1000
+    (nodes.a / "f").write_bytes(b"new" * 1000)
+    eventually(lambda: (nodes.b / "f").read_bytes() == b"new" * 1000)
+
+
+def test_an_open_handle_never_mixes_versions(nodes: Nodes) -> None:
+    old, new = os.urandom(24 * MiB), os.urandom(24 * MiB)
+    nodes.c_put("shard", old)
+    eventually(lambda: exists(nodes.b / "shard"))
+    served = bytearray()
+    stale = False
+    with open(nodes.b / "shard", "rb", buffering=0) as f:
+        served += f.read(MiB)
+        (nodes.a / "shard").write_bytes(new)  # node A rewrites it while B reads on
+        time.sleep(0.2)
+        while True:
+            try:
+                piece = f.read(MiB)
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+                stale = True
+                break
+            if not piece:
+                break
+            served += piece
+    assert bytes(served) == old[:len(served)]  # a consistent prefix of the old version, never a mix
+    assert stale or len(served) == len(old)
+    assert (nodes.b / "shard").read_bytes() == new or not stale  # a new open sees the new version
+    eventually(lambda: (nodes.b / "shard").read_bytes() == new)
+
+
+def test_delete_on_a_is_enoent_on_b(nodes: Nodes) -> None:
+    nodes.c_put("doomed", b"x")
+    eventually(lambda: exists(nodes.b / "doomed"))
+    os.unlink(nodes.a / "doomed")
+    eventually(lambda: not exists(nodes.b / "doomed"))
+    with pytest.raises(FileNotFoundError):
+        open(nodes.b / "doomed")
+
+
+def test_b_never_sees_the_marker_before_the_data(nodes: Nodes) -> None:
+    shards = {f"out/shard-{i}.bin": os.urandom(2 * MiB) for i in range(3)}
+    (nodes.a / "out").mkdir()
+
+    def write_on_a() -> None:
+        for rel, data in shards.items():
+            (nodes.a / rel).write_bytes(data)
+        (nodes.a / "out/.executor_status").write_text("SUCCESS")
+
+    writer = threading.Thread(target=write_on_a)
+    writer.start()
+    try:
+        eventually(lambda: exists(nodes.b / "out/.executor_status"), within=60)
+        for rel, data in shards.items():  # the marker is visible: every data file must be whole
+            assert (nodes.b / rel).read_bytes() == data
+    finally:
+        writer.join()
+
+
+def test_listing_on_b_picks_up_new_entries(nodes: Nodes) -> None:
+    (nodes.a / "ckpts").mkdir()
+    (nodes.a / "ckpts/step-1").write_text("1")
+    eventually(lambda: os.listdir(nodes.b / "ckpts") == ["step-1"])
+    nodes.c_put("ckpts/step-2", b"2")  # a third client writes directly to the bucket
+    eventually(lambda: sorted(os.listdir(nodes.b / "ckpts")) == ["step-1", "step-2"])
+
+
+def test_an_immutable_path_is_served_from_cache_with_no_requests(nodes: Nodes) -> None:
+    data = os.urandom(3 * MiB)
+    nodes.c_put("ckpt/run/step-100/model.bin", data)
+    assert (nodes.b / "ckpt/run/step-100/model.bin").read_bytes() == data
+    time.sleep(2 * TTL + 0.2)  # every TTL, ours and the kernel's, has expired
+    nodes.b_core.remote.stats.reset()
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert (nodes.b / "ckpt/run/step-100/model.bin").read_bytes() == data
+    assert nodes.b_requests() == {}
+
+
+def test_polling_a_status_file_costs_one_request_per_ttl(nodes: Nodes) -> None:
+    nodes.c_put("status/.executor_status", b"RUNNING")
+    eventually(lambda: exists(nodes.b / "status/.executor_status"))
+    nodes.b_core.remote.stats.reset()
+    seconds, polls = 5.0, 0
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        os.stat(nodes.b / "status/.executor_status")
+        polls += 1
+        time.sleep(0.1)
+    counts = nodes.b_requests()
+    assert polls >= 40
+    # Per TTL: one HEAD for the file, one LIST to revalidate its directory; not one per poll.
+    assert counts.get("head", 0) <= seconds / TTL + 2, counts
+    assert sum(counts.values()) <= 2 * (seconds / TTL + 2), counts
