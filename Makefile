@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test bench system-deps venv clean
+.PHONY: run test bench install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -33,6 +33,25 @@ test: system-deps venv
 
 bench: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
+
+# Install for a node: a private venv under PREFIX/lib/marinfs, the `marinfs` command, the
+# systemd template unit and the mount(8) helper. DESTDIR stages it for packaging.
+PREFIX ?= /usr/local
+SYSTEMD_DIR ?= /etc/systemd/system
+SBIN_DIR ?= /sbin
+install: system-deps
+	$(PYTHON) -m venv $(DESTDIR)$(PREFIX)/lib/marinfs/venv
+	$(DESTDIR)$(PREFIX)/lib/marinfs/venv/bin/pip install -q .
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)$(SBIN_DIR) $(DESTDIR)/etc/marinfs
+	ln -sf $(PREFIX)/lib/marinfs/venv/bin/marinfs $(DESTDIR)$(PREFIX)/bin/marinfs
+	sed 's|/usr/local/bin/marinfs|$(PREFIX)/bin/marinfs|g' 'systemd/marinfs@.service' \
+	  > '$(DESTDIR)$(SYSTEMD_DIR)/marinfs@.service'
+	sed 's|^PY="$${MARINFS_PYTHON:-}"|PY="$${MARINFS_PYTHON:-$(PREFIX)/lib/marinfs/venv/bin/python}"|' \
+	  systemd/mount.marinfs > $(DESTDIR)$(SBIN_DIR)/mount.marinfs
+	chmod 0755 $(DESTDIR)$(SBIN_DIR)/mount.marinfs
+	ln -sf mount.marinfs $(DESTDIR)$(SBIN_DIR)/mount.fuse.marinfs
+	install -m 0644 systemd/marinfs.toml.example $(DESTDIR)/etc/marinfs/marinfs.toml.example
+	@echo "installed; next: systemctl daemon-reload && see docs/operations.md"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

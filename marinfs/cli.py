@@ -41,36 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     m = sub.add_parser("mount", help="mount REMOTE (default $MARIN_PREFIX) at MOUNTPOINT")
-    m.add_argument("args", nargs="+", metavar="[REMOTE] MOUNTPOINT")
+    m.add_argument("args", nargs="*", metavar="[REMOTE] MOUNTPOINT")
+    m.add_argument("--config", help="TOML file with any of the settings below (flags win)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached (systemd, debugging)")
-    m.add_argument("--read-only", action="store_true")
-    m.add_argument("--allow-other", action="store_true", help="let other users see the mount")
-    m.add_argument("--uid", type=int, default=os.getuid())
-    m.add_argument("--gid", type=int, default=os.getgid())
-    m.add_argument("--file-mode", type=parse_mode, default=0o644)
-    m.add_argument("--dir-mode", type=parse_mode, default=0o755)
-    m.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    # Every setting defaults to None here: "not given", so the config file and MARINFS_*
+    # variables can supply it; MountConfig holds the real defaults.
+    m.add_argument("--read-only", action="store_true", default=None)
+    m.add_argument("--allow-other", action="store_true", default=None, help="let other users see the mount")
+    m.add_argument("--uid", type=int)
+    m.add_argument("--gid", type=int)
+    m.add_argument("--file-mode", type=parse_mode)
+    m.add_argument("--dir-mode", type=parse_mode)
+    m.add_argument("--log-level", choices=LOG_LEVELS)
     m.add_argument("--log-file")
-    m.add_argument("--cache-dir", type=Path, default=None)
-    m.add_argument("--metadata-ttl", type=float, default=5.0, help="seconds a stat or listing is trusted")
-    m.add_argument("--negative-ttl", type=float, default=1.0, help="seconds a 'does not exist' is trusted")
-    m.add_argument("--list-ttl", type=float, default=None, help="seconds a directory listing is trusted (default: --metadata-ttl)")
-    m.add_argument("--immutable", action="append", default=[], metavar="GLOB",
+    m.add_argument("--cache-dir", type=Path)
+    m.add_argument("--metadata-ttl", type=float, help="seconds a stat is trusted (5)")
+    m.add_argument("--negative-ttl", type=float, help="seconds a 'does not exist' is trusted (1)")
+    m.add_argument("--list-ttl", type=float, help="seconds a directory listing is trusted (--metadata-ttl)")
+    m.add_argument("--immutable", action="append", metavar="GLOB",
                    help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'")
-    m.add_argument("--mount-timeout", type=float, default=60.0)
-    m.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to connect to the remote")
-    m.add_argument("--read-timeout", type=float, default=120.0, help="seconds a remote response may stall")
-    m.add_argument("--retries", type=int, default=5, help="attempts per remote call (transient errors)")
-    m.add_argument("--chunk-size", type=parse_size, default=8 << 20, help="bytes per ranged GET and cache chunk")
-    m.add_argument("--cache-size", type=parse_size, default=20 << 30, help="hard limit of the chunk cache (0: off)")
-    m.add_argument("--cache-min-free", type=parse_size, default=1 << 30, help="free space to leave on the cache disk")
-    m.add_argument("--prefetch-workers", type=int, default=8, help="parallel ranged GETs")
-    m.add_argument("--read-ahead-kb", type=int, default=1024, help="kernel readahead (root only; 0: leave)")
+    m.add_argument("--mount-timeout", type=float)
+    m.add_argument("--connect-timeout", type=float, help="seconds to connect to the remote (30)")
+    m.add_argument("--read-timeout", type=float, help="seconds a remote response may stall (120)")
+    m.add_argument("--retries", type=int, help="attempts per remote call for transient errors (5)")
+    m.add_argument("--chunk-size", type=parse_size, help="bytes per ranged GET and cache chunk (8M)")
+    m.add_argument("--cache-size", type=parse_size, help="hard limit of the chunk cache, 0: off (20G)")
+    m.add_argument("--cache-min-free", type=parse_size, help="free space to leave on the cache disk (1G)")
+    m.add_argument("--prefetch-workers", type=int, help="parallel ranged GETs (8)")
+    m.add_argument("--read-ahead-kb", type=int, help="kernel readahead, root only, 0: leave (1024)")
+    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
     m.add_argument("-o", "--storage-option", action="append", default=[], type=parse_storage_option,
                    metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
-    u.add_argument("mountpoint")
+    u.add_argument("mountpoint", nargs="?")
+    u.add_argument("--config", help="take the mountpoint from this TOML file")
     u.add_argument("--timeout", type=float, default=600.0)
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if busy")
 
@@ -87,35 +92,49 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workers", type=int, default=4)
     w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
+    st = sub.add_parser("status", help="what each running mount is doing")
+    st.add_argument("mountpoint", nargs="?")
+    st.add_argument("--json", action="store_true")
+
+    cf = sub.add_parser("config", help="check a config file")
+    cfsub = cf.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
+    cfsub.add_parser("check", help="validate FILE and print a summary").add_argument("file")
+
     p = sub.add_parser("path", help="convert a URL under a mounted prefix to its path, and back")
     p.add_argument("arg")
     return parser
 
 
 def _mount_config(ns: argparse.Namespace) -> MountConfig:
+    """Settings from the config file < MARINFS_* variables < flags, then MountConfig defaults."""
+    from marinfs import configfile
+
     if len(ns.args) > 2:
         raise UsageError("mount takes [REMOTE] MOUNTPOINT")
+    flags = {k: v for k, v in vars(ns).items() if k in configfile.KEYS and v is not None}
+    if ns.immutable:
+        flags["immutable"] = tuple(ns.immutable)
+    if ns.storage_option:
+        flags["storage_options"] = {k: _storage_value(v) for k, v in ns.storage_option}
     if len(ns.args) == 2:
-        remote, mountpoint = ns.args
-    else:
-        remote, mountpoint = os.environ.get("MARIN_PREFIX", ""), ns.args[0]
-        if not remote:
-            raise UsageError("no REMOTE given and $MARIN_PREFIX is not set")
-    options = dict(json.loads(os.environ.get("MARINFS_STORAGE_OPTIONS", "{}")) if ns.foreground else {})
-    options.update((k, _storage_value(v)) for k, v in ns.storage_option)
-    return MountConfig(
-        remote=normalize_remote(remote), mountpoint=os.path.abspath(mountpoint),
-        read_only=ns.read_only, allow_other=ns.allow_other, uid=ns.uid, gid=ns.gid,
-        file_mode=ns.file_mode, dir_mode=ns.dir_mode, log_level=ns.log_level,
-        log_file=os.path.abspath(ns.log_file) if ns.log_file else None, foreground=ns.foreground,
-        cache_dir=(ns.cache_dir or default_cache_dir()).absolute(), metadata_ttl=ns.metadata_ttl,
-        negative_ttl=ns.negative_ttl, list_ttl=ns.list_ttl, immutable=tuple(ns.immutable),
-        mount_timeout=ns.mount_timeout,
-        connect_timeout=ns.connect_timeout, read_timeout=ns.read_timeout, retries=ns.retries,
-        chunk_size=ns.chunk_size, cache_size=ns.cache_size, cache_min_free=ns.cache_min_free,
-        prefetch_workers=ns.prefetch_workers, read_ahead_kb=ns.read_ahead_kb,
-        storage_options=tuple(sorted(options.items())),
-    ).validate()
+        flags["remote"], flags["mountpoint"] = ns.args
+    elif len(ns.args) == 1:
+        flags["mountpoint"] = ns.args[0]
+    file = configfile.load_file(ns.config) if ns.config else {}
+    values = configfile.merge(file, configfile.from_env(os.environ), flags)
+    remote = values.pop("remote", None) or os.environ.get("MARIN_PREFIX", "")
+    if not remote:
+        raise UsageError("no REMOTE given and $MARIN_PREFIX is not set")
+    mountpoint = values.pop("mountpoint", None)
+    if not mountpoint:
+        raise UsageError("no MOUNTPOINT given")
+    values["storage_options"] = tuple(sorted(values.get("storage_options", {}).items()))
+    if "cache_dir" in values:
+        values["cache_dir"] = Path(values["cache_dir"]).absolute()
+    if values.get("log_file"):
+        values["log_file"] = os.path.abspath(values["log_file"])
+    return MountConfig(remote=normalize_remote(remote), mountpoint=os.path.abspath(mountpoint),
+                       foreground=ns.foreground, **values).validate()
 
 
 def run(argv: list[str]) -> int:
@@ -132,9 +151,25 @@ def run(argv: list[str]) -> int:
                   f"stop with: marinfs umount {cfg.mountpoint}")
         return 0
     if ns.command == "umount":
-        from marinfs import daemon
+        from marinfs import configfile, daemon
 
-        daemon.unmount(ns.mountpoint, timeout=ns.timeout, lazy=ns.lazy)
+        mountpoint = ns.mountpoint
+        if mountpoint is None and ns.config:
+            mountpoint = configfile.load_file(ns.config).get("mountpoint")
+        if not mountpoint:
+            raise UsageError("umount takes MOUNTPOINT (or --config FILE naming one)")
+        daemon.unmount(mountpoint, timeout=ns.timeout, lazy=ns.lazy)
+        return 0
+    if ns.command == "status":
+        from marinfs import status
+
+        data = status.collect(ns.mountpoint)
+        print(json.dumps(data, indent=2) if ns.json else status.format_status(data))
+        return 0
+    if ns.command == "config":
+        from marinfs import configfile
+
+        print(configfile.check(ns.file))
         return 0
     if ns.command == "cache":
         from marinfs import cachecli

@@ -86,6 +86,8 @@ class MountConfig:
     max_readahead_chunks: int = 32
     # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
     read_ahead_kb: int = 1024
+    # Prometheus metrics on 127.0.0.1:PORT; 0 is off.
+    metrics_port: int = 0
     # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
     connect_timeout: float = 30.0
     read_timeout: float = 120.0
@@ -117,6 +119,8 @@ class MountConfig:
             raise UsageError("--chunk-size must be between 64K and 1G")
         if self.cache_size < 0 or self.cache_min_free < 0:
             raise UsageError("cache sizes must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise UsageError("--metrics-port must be a TCP port (0: off)")
         if self.prefetch_workers < 1 or self.max_readahead_chunks < 0 or self.read_ahead_kb < 0:
             raise UsageError("prefetch workers must be >= 1, readahead >= 0")
         return self

@@ -16,6 +16,7 @@ from pathlib import Path
 from marinfs.config import MountConfig
 from marinfs.errors import MountError, UsageError
 from marinfs.mounts import live_mounts
+from marinfs.notify import sd_notify
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "marinfs[%(process)d] %(levelname)s %(name)s: %(message)s"
@@ -85,7 +86,8 @@ def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 -
     cache = fs.fetcher.cache
     data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
             "uptime_s": round(time.monotonic() - started, 1),
-            "cache": cache.snapshot() if cache else None, "remote_requests": fs.remote.stats.snapshot()}
+            "cache": cache.snapshot() if cache else None, "remote_requests": fs.remote.stats.snapshot(),
+            "uploads": fs.upload_status()}
     path = stats_file(cfg.cache_dir)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -94,13 +96,17 @@ def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 -
     os.replace(tmp, path)
 
 
-def _watch_mount(fs, cfg: MountConfig, stop: threading.Event) -> None:  # noqa: ANN001
+def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Event) -> None:  # noqa: ANN001
     """Once the mount is live: raise the kernel readahead (root), then publish stats."""
     started = time.monotonic()
     while not stop.is_set() and not os.path.ismount(cfg.mountpoint):
         if time.monotonic() - started > cfg.mount_timeout:
             return
         time.sleep(0.02)
+    if stop.is_set():
+        return
+    live.set()
+    sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
     while not stop.wait(2.0):
@@ -130,18 +136,28 @@ def run_foreground(cfg: MountConfig) -> None:
 
     adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode)
     state = state_file(cfg.mountpoint)
-    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote,
-                                 "mountpoint": cfg.mountpoint, "log_file": cfg.log_file}))
+    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
+                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir)}))
+    if cfg.metrics_port:
+        from marinfs.metrics import Metrics
+
+        adapter.metrics = Metrics(fs)
+        adapter.metrics.serve(cfg.metrics_port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
+    adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop), daemon=True)
+    stop, live = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop, live), daemon=True)
     watcher.start()
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),
               negative_timeout=min(cfg.negative_ttl, 1.0))
     except RuntimeError as exc:
-        raise MountError(f"FUSE could not mount {cfg.mountpoint} (libfuse said {exc})") from None
+        # libfuse answers 8 when its loop ended on a signal (SIGTERM from systemd or kill):
+        # that is a normal stop once the mount was live. Anything else is a failed mount.
+        if not (live.is_set() and str(exc) == "8"):
+            raise MountError(f"FUSE could not mount {cfg.mountpoint} (libfuse said {exc})") from None
     finally:
         stop.set()
         state.unlink(missing_ok=True)
@@ -176,6 +192,10 @@ def start_background(cfg: MountConfig) -> Path:
         argv += ["--list-ttl", str(cfg.list_ttl)]
     for glob in cfg.immutable:
         argv += ["--immutable", glob]
+    if cfg.metrics_port:
+        argv += ["--metrics-port", str(cfg.metrics_port)]
+    if cfg.log_file:
+        argv += ["--log-file", cfg.log_file]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
     env = dict(os.environ)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from cachetools import LRUCache
 
@@ -80,6 +81,7 @@ class Filesystem:
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
         self._own_mtimes: LRUCache[str, tuple[str, int]] = LRUCache(maxsize=65536)
+        self.failed_commits: list[dict[str, str]] = []  # key -> where its bytes are kept
         self._next_fh = itertools.count(1)
 
     # -- lookups -------------------------------------------------------------------------------
@@ -187,6 +189,16 @@ class Filesystem:
             if self._staged.get(staged.key) is staged:
                 del self._staged[staged.key]
         staged.discard()
+        if staged.kept:
+            with self._lock:
+                self.failed_commits.append({"key": staged.key, "staged": staged.path})
+
+    def upload_status(self) -> dict[str, Any]:
+        """Open files with uncommitted bytes, and commits that failed (their bytes kept on disk)."""
+        with self._lock:
+            pending = sorted(k for k, st in self._staged.items() if st.dirty and not st.unlinked)
+            failed = list(self.failed_commits)
+        return {"pending": pending, "failed": failed}
 
     def _new_handle(self, handle: Handle) -> int:
         with self._lock:

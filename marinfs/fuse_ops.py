@@ -32,11 +32,17 @@ LIBFUSE_MAJOR = fuse.fuse_version_major
 def _errors(method: F) -> F:
     """Turn any exception into FuseOSError(errno); unknown ones are EIO and logged in full."""
 
+    name = method.__name__
+
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        metrics = args[0].metrics
+        started = time.perf_counter() if metrics is not None else 0.0
+        code = 0
         try:
             return method(*args, **kwargs)
-        except fuse.FuseOSError:
+        except fuse.FuseOSError as exc:
+            code = exc.errno
             raise
         except Exception as exc:  # noqa: BLE001 - this is the one place errors become errno
             code = errno_for(exc)
@@ -47,6 +53,9 @@ def _errors(method: F) -> F:
             elif code != errno.ENOENT:
                 log.debug("%s%s -> %s", method.__name__, args[1:2], errno.errorcode.get(code, code))
             raise fuse.FuseOSError(code) from None
+        finally:
+            if metrics is not None:
+                metrics.observe(name, time.perf_counter() - started, code)
 
     return wrapper  # type: ignore[return-value]
 
@@ -55,6 +64,8 @@ class FuseAdapter(fuse.Operations):
     """mfusepy operations over a Filesystem. With ``raw_fi`` the file info struct is passed in."""
 
     use_ns = True
+    metrics: Any = None  # a marinfs.metrics.Metrics when --metrics-port is set
+    on_destroy: Any = None  # called when the session ends, before open files are committed
 
     def __init__(self, fs: Filesystem, uid: int, gid: int, file_mode: int, dir_mode: int) -> None:
         self.fs = fs
@@ -179,6 +190,8 @@ class FuseAdapter(fuse.Operations):
         raise fuse.FuseOSError(errno.EPERM)  # objects have no symbolic links
 
     def destroy(self, path: str) -> None:
+        if self.on_destroy is not None:
+            self.on_destroy()
         self.fs.close_all()
 
 

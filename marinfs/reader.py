@@ -102,11 +102,11 @@ class ChunkFetcher:
             data = self.fetch(obj.key, start, end, obj.version)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
-            if self.cache is not None:
-                self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
             with self._lock:
                 self._memory[ck] = data
-            future.set_result(data)
+            future.set_result(data)  # waiting readers go on while the chunk is written to disk
+            if self.cache is not None:
+                self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
             future.set_exception(exc)
             if not isinstance(exc, Exception):

@@ -1,0 +1,69 @@
+"""`marinfs status`: what each running mount is doing, from the counters its daemon publishes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from marinfs.daemon import state_file
+from marinfs.errors import UsageError
+from marinfs.mounts import live_mounts
+
+
+def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
+    mounts = live_mounts()
+    if mountpoint is not None:
+        wanted = os.path.abspath(mountpoint)
+        mounts = [m for m in mounts if m.mountpoint == wanted]
+        if not mounts:
+            raise UsageError(f"{mountpoint} is not a marinfs mount")
+    out = []
+    for entry in mounts:
+        item: dict[str, Any] = {"mountpoint": entry.mountpoint, "remote": entry.remote}
+        state = state_file(entry.mountpoint)
+        if state.exists():
+            info = json.loads(state.read_text())
+            item["pid"] = info.get("pid")
+            stats = Path(info.get("cache_dir", "")) / "stats.json"
+            if info.get("cache_dir") and stats.exists():
+                published = json.loads(stats.read_text())
+                if published.get("pid") == info.get("pid"):
+                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads")
+                                 if k in published})
+        else:
+            item["problem"] = "no daemon state (started by another user, or the daemon died)"
+        out.append(item)
+    return out
+
+
+def format_status(items: list[dict[str, Any]]) -> str:
+    if not items:
+        return "no marinfs mounts"
+    blocks = []
+    for it in items:
+        lines = [f"{it['mountpoint']}  <-  {it['remote']}"]
+        if "problem" in it:
+            lines.append(f"  {it['problem']}")
+        if "pid" in it:
+            lines.append(f"  daemon PID {it['pid']}, up {it.get('uptime_s', '?')} s")
+        cache = it.get("cache")
+        if cache:
+            lookups = cache["hits"] + cache["misses"]
+            ratio = f"{100 * cache['hits'] / lookups:.1f}%" if lookups else "n/a"
+            lines.append(f"  cache {cache['bytes_used'] / 2**30:.2f} / {cache['bytes_limit'] / 2**30:.1f} GiB, "
+                         f"hit ratio {ratio}, {cache['evictions']} evictions")
+        req = it.get("remote_requests")
+        if req:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(req["requests"].items())) or "none"
+            lines.append(f"  requests: {kinds}; in {req['bytes_in'] / 2**20:.1f} MiB, "
+                         f"out {req['bytes_out'] / 2**20:.1f} MiB")
+            if req["errors"]:
+                lines.append("  errors: " + ", ".join(f"{k} {v}" for k, v in sorted(req["errors"].items())))
+        up = it.get("uploads")
+        if up:
+            lines.append(f"  uploads: {len(up['pending'])} pending, {len(up['failed'])} failed"
+                         + "".join(f"\n    failed {f['key']} (bytes kept in {f['staged']})" for f in up["failed"]))
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)

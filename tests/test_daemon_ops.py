@@ -1,0 +1,155 @@
+"""Operating the daemon as an operator would: systemd notify, mount(8) and fstab through the
+mount helper, config files, `marinfs status` and Prometheus metrics against live mounts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mounting import MARINFS, force_unmount, subprocess_mount
+from servers import free_port
+
+
+@pytest.fixture
+def remote_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "remote"
+    d.mkdir()
+    (d / "data.bin").write_bytes(os.urandom(3 << 20))
+    return d
+
+
+def test_sd_notify_ready_only_once_mounted_and_stopping_on_sigterm(tmp_path: Path, remote_dir: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(30)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.Popen([*MARINFS, "mount", str(remote_dir), str(mnt), "--foreground",
+                             "--cache-dir", str(tmp_path / "cache")],
+                            env={**os.environ, "NOTIFY_SOCKET": sock_path},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        message = sock.recv(4096).decode()
+        assert message.startswith("READY=1")
+        assert os.path.ismount(mnt)  # READY is only sent once the mount is live
+        proc.send_signal(signal.SIGTERM)
+        assert "STOPPING=1" in sock.recv(4096).decode()
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(mnt)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+        force_unmount(mnt)
+        sock.close()
+
+
+@pytest.fixture
+def mount_helper_installed() -> Iterator[Path]:
+    """/sbin/mount.marinfs for this test (mount(8) looks for helpers only in /sbin)."""
+    if os.geteuid() != 0:
+        pytest.skip("installing a mount helper needs root")
+    helper = Path("/sbin/mount.marinfs")
+    if helper.exists():
+        pytest.skip("a mount.marinfs helper is already installed on this machine")
+    helper.write_text(f"#!/bin/sh\nexec {sys.executable} -m marinfs.mount_helper \"$@\"\n")
+    helper.chmod(0o755)
+    try:
+        yield helper
+    finally:
+        helper.unlink(missing_ok=True)
+
+
+def test_mount_t_marinfs_and_umount(mount_helper_installed: Path, tmp_path: Path, remote_dir: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        out = subprocess.run(["mount", "-t", "marinfs", str(remote_dir), str(mnt), "-o",
+                              f"cache_dir={tmp_path / 'cache'},cache_size=64M,ro"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert (mnt / "data.bin").read_bytes() == (remote_dir / "data.bin").read_bytes()
+        with pytest.raises(OSError):
+            (mnt / "new").write_text("x")  # ro reached the daemon
+        assert subprocess.run(["umount", str(mnt)], capture_output=True, timeout=120).returncode == 0
+        assert not os.path.ismount(mnt)
+        bad = subprocess.run(["mount", "-t", "marinfs", str(remote_dir), str(mnt), "-o", "bogus_option=1"],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "bogus_option" in bad.stderr and not os.path.ismount(mnt)
+    finally:
+        force_unmount(mnt)
+
+
+def test_fstab_line(mount_helper_installed: Path, tmp_path: Path, remote_dir: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{remote_dir} {mnt} marinfs _netdev,nofail,cache_dir={tmp_path / 'cache'},"
+                     f"cache_size=200M,metadata_ttl=2 0 0\n")
+    try:
+        out = subprocess.run(["mount", "--fstab", str(fstab), str(mnt)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert os.path.ismount(mnt) and (mnt / "data.bin").stat().st_size == 3 << 20
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=120)
+        force_unmount(mnt)
+
+
+def test_config_file_flags_win_and_bad_config_is_one_line(tmp_path: Path, remote_dir: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    config = tmp_path / "m.toml"
+    config.write_text(f'remote = "{remote_dir}"\nmountpoint = "{mnt}"\ncache_dir = "{tmp_path / "cache"}"\n'
+                      'file_mode = "0600"\nread_only = true\n')
+    check = subprocess.run([*MARINFS, "config", "check", str(config)], capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.startswith("ok:")
+    try:
+        out = subprocess.run([*MARINFS, "mount", "--config", str(config), "--file-mode", "0640"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "MARINFS_FILE_MODE": "0444"})
+        assert out.returncode == 0, out.stderr
+        assert os.stat(mnt / "data.bin").st_mode & 0o777 == 0o640  # flag > environment > file
+        with pytest.raises(OSError):
+            (mnt / "x").write_text("read-only from the file")
+    finally:
+        subprocess.run([*MARINFS, "umount", "--config", str(config)], capture_output=True, timeout=120)
+        force_unmount(mnt)
+    config.write_text('cache_size = "200X"\n')
+    bad = subprocess.run([*MARINFS, "config", "check", str(config)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "200X" in bad.stderr
+    config.write_text('cache_sise = "2G"\n')
+    bad = subprocess.run([*MARINFS, "mount", "--config", str(config), str(mnt)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "cache_size" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_status_and_metrics_match_what_was_done(tmp_path: Path, remote_dir: Path) -> None:
+    mnt, port = tmp_path / "mnt", free_port()
+    with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache", "--metrics-port", str(port),
+                          "--chunk-size", "1M"):
+        data = (mnt / "data.bin").read_bytes()
+        assert len(data) == 3 << 20
+        (mnt / "out.txt").write_text("written")
+        time.sleep(2.5)  # the daemon publishes its counters every 2 s
+        out = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True, check=True)
+        (item,) = json.loads(out.stdout)
+        assert item["remote"] == str(remote_dir) and item["cache"]["bytes_fetched"] == 3 << 20
+        assert item["remote_requests"]["requests"]["get"] == 3 and item["remote_requests"]["bytes_out"] == 7
+        assert item["uploads"] == {"pending": [], "failed": []}
+        human = subprocess.run([*MARINFS, "status"], capture_output=True, text=True, check=True).stdout
+        assert str(mnt) in human and "hit ratio" in human
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'marinfs_remote_requests_total{kind="get"} 3.0' in body
+        assert "marinfs_cache_fetched_bytes_total 3.145728e+06" in body
+        assert 'marinfs_fuse_op_seconds_count{op="read"}' in body
+        assert 'marinfs_fuse_op_seconds_count{op="flush"}' in body
