@@ -146,6 +146,21 @@ class ChunkCache:
         self._hit()
         return data
 
+    def advise(self, key: ChunkKey) -> None:
+        """Start reading a cached chunk from disk in the background (it is about to be read)."""
+        with self._lock:
+            entry = self._index.get((key.object_id, key.index))
+        if entry is None:
+            return
+        try:
+            fd = os.open(entry.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return (key.object_id, key.index) in self._index

@@ -81,6 +81,7 @@ class ChunkFetcher:
             if ck in self._memory or ck in self._inflight:
                 return
         if self.cache is not None and self.cache.contains(ck):
+            self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
             return
         future, owner = self._claim(ck)
         if owner:
@@ -129,6 +130,7 @@ class ObjectReader:
         self._lock = threading.Lock()
         self._next = 0  # where a sequential reader reads next
         self._window = 0  # chunks to keep in flight ahead of the reader
+        self._ahead = -1  # the last chunk index already asked for ahead of the reader
 
     def read(self, size: int, offset: int) -> bytes:
         obj, cs = self.obj, self._fetcher.chunk_size
@@ -145,7 +147,10 @@ class ObjectReader:
                 self._window = 0
             self._next = max(self._next, end) if self._window else end
             window = self._window
-        for index in range(last + 1, last + 1 + window):
+            # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
+            start = max(last + 1, self._ahead + 1) if window else last + 1
+            self._ahead = max(self._ahead, last + window) if window else last
+        for index in range(start, last + 1 + window):
             self._fetcher.prefetch(obj, index)
         if first == last:
             return self._fetcher.read(obj, first, offset - first * cs, end - offset)
