@@ -70,11 +70,23 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers)
+    _recover(cfg.cache_dir / "staging", remote, failed := [])
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
-    return Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
-                      read_only=cfg.read_only, fetcher=fetcher,
-                      max_readahead_chunks=cfg.max_readahead_chunks)
+    fs = Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
+                    read_only=cfg.read_only, fetcher=fetcher,
+                    max_readahead_chunks=cfg.max_readahead_chunks)
+    fs.failed_commits.extend(failed)
+    return fs
+
+
+def _recover(staging_dir: Path, remote, failed: list, skip: frozenset[str] = frozenset()) -> None:  # noqa: ANN001
+    """Commit what an earlier run staged but never committed; list what still fails."""
+    from marinfs.recovery import recover
+
+    for result in recover(staging_dir, remote, skip):
+        if result.committed_as is None:
+            failed.append({"key": result.key, "staged": result.staged})
 
 
 def stats_file(cache_dir: Path) -> Path:
@@ -109,11 +121,17 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
+    ticks = 0
     while not stop.wait(2.0):
+        ticks += 1
         try:
             write_stats(fs, cfg, started)
         except OSError as exc:
             log.debug("cannot write stats: %s", exc)
+        if fs.failed_commits and ticks % 15 == 0:  # every 30 s: retry failed commits
+            still: list = []
+            _recover(cfg.cache_dir / "staging", fs.remote, still, fs.open_staging_files())
+            fs.failed_commits[:] = still
 
 
 def set_read_ahead(mountpoint: str, kib: int) -> None:

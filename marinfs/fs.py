@@ -160,12 +160,13 @@ class Filesystem:
         with self._lock:
             staged = self._staged.get(key)
             if staged is None:
+                base = dict(remote_url=self.remote.url, base_version=info.version if info else None)
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
-                                        dirty=info is None or (truncate and info.size > 0))
+                                        dirty=info is None or (truncate and info.size > 0), **base)
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
-                                        seed=self.remote.download)
+                                        seed=self.remote.download, **base)
                 self._staged[key] = staged
                 truncate = False
             staged.refs += 1
@@ -199,6 +200,11 @@ class Filesystem:
             pending = sorted(k for k, st in self._staged.items() if st.dirty and not st.unlinked)
             failed = list(self.failed_commits)
         return {"pending": pending, "failed": failed}
+
+    def open_staging_files(self) -> frozenset[str]:
+        """Staging files of files open right now (recovery must leave them to their writers)."""
+        with self._lock:
+            return frozenset(st.path for st in self._staged.values())
 
     def _new_handle(self, handle: Handle) -> int:
         with self._lock:
@@ -429,7 +435,7 @@ class Filesystem:
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
             for k in moving:
                 staged = self._staged.pop(k)
-                staged.key = dst + k[len(src):]
+                staged.rekey(dst + k[len(src):])
                 self._staged[staged.key] = staged
 
     def _rename_file(self, src: str, dst: str) -> None:

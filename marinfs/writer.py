@@ -7,6 +7,7 @@ truncation and ``O_RDWR`` therefore work as on a local disk; only the commit is 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -16,6 +17,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+JOURNAL_SUFFIX = ".journal.json"
+
+
+def write_journal(path: str, entry: dict) -> None:
+    """Atomically (temp + rename, fsync'd): a torn journal would be worse than none."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(entry).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 class StagedFile:
@@ -27,16 +41,26 @@ class StagedFile:
     """
 
     def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
-                 base_size: int = 0, dirty: bool = False) -> None:
+                 base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
+                 base_version: str | None = None) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
         self.fd = fd
         self.key = key
+        # The journal says what these bytes are, so a daemon that died before committing them
+        # can commit them on its next start (marinfs.recovery). It exists exactly while the
+        # staged file holds bytes the remote lacks.
+        self.journal_path = self.path + JOURNAL_SUFFIX
+        self.remote_url = remote_url
+        self.base_version = base_version
+        self._journaled = False
         self.lock = threading.RLock()
         self._seed = seed
         self.seeded = seed is None
         self.base_size = base_size  # the remote size, valid until seeded
-        self.dirty = dirty  # True for a new or truncated file: it is committed even if unwritten
+        self.dirty = False
+        if dirty:  # a new or truncated file: it is committed even if nothing is written
+            self._mark_dirty()
         self.mtime_ns = time.time_ns()
         self.refs = 0
         self.unlinked = False
@@ -66,7 +90,7 @@ class StagedFile:
             if offset is None:
                 offset = os.fstat(self.fd).st_size
             written = os.pwrite(self.fd, data, offset)
-            self.dirty = True
+            self._mark_dirty()
             self.mtime_ns = time.time_ns()
             return written
 
@@ -77,8 +101,29 @@ class StagedFile:
             else:
                 self._ensure_seeded()
             os.ftruncate(self.fd, length)
-            self.dirty = True
+            self._mark_dirty()
             self.mtime_ns = time.time_ns()
+
+    def _mark_dirty(self) -> None:
+        self.dirty = True
+        if self._journaled or self.remote_url is None:
+            return
+        write_journal(self.journal_path, {"remote": self.remote_url, "key": self.key,
+                                          "base_version": self.base_version, "data": os.path.basename(self.path)})
+        self._journaled = True
+
+    def rekey(self, key: str) -> None:
+        """The file was renamed: later commits (and a recovery) go to the new name."""
+        with self.lock:
+            self.key = key
+            if self._journaled:
+                self._journaled = False
+                self._mark_dirty()
+
+    def _drop_journal(self) -> None:
+        if self._journaled:
+            Path(self.journal_path).unlink(missing_ok=True)
+            self._journaled = False
 
     def commit(self, upload: Callable[[str, str], None]) -> None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error."""
@@ -88,15 +133,18 @@ class StagedFile:
             self._ensure_seeded()
             upload(self.path, self.key)
             self.dirty = False
+            self._drop_journal()
 
     def discard(self) -> None:
         """Drop the staging file, unless it holds uncommitted bytes: those are kept on disk."""
         with self.lock:
             os.close(self.fd)
             if self.dirty and not self.unlinked:
-                self.kept = True
+                self.kept = True  # the journal stays: the next start (or a retry) commits it
                 log.error("commit of %s failed; its staged bytes are kept in %s", self.key, self.path)
                 return
+            self._drop_journal()
+            Path(self.journal_path).unlink(missing_ok=True)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

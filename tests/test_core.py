@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import uuid
@@ -534,7 +535,11 @@ def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
         fs.flush(fh)
     fs.release(fh)  # cannot report; must keep the bytes
     kept = staging_files(fs)
-    assert len(kept) == 1 and kept[0].read_bytes() == b"unsaved" and cat(remote, "f") is None
+    data = [p for p in kept if not p.name.endswith(".journal.json")]
+    assert len(data) == 1 and data[0].read_bytes() == b"unsaved" and cat(remote, "f") is None
+    (journal,) = [p for p in kept if p.name.endswith(".journal.json")]  # says what to commit, where
+    assert json.loads(journal.read_text())["key"] == "f"
+    assert fs.upload_status()["failed"] == [{"key": "f", "staged": str(data[0])}]
 
 
 def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> None:

@@ -1,0 +1,81 @@
+"""Commit what a previous daemon staged but never committed (crash, kill, failed upload).
+
+Every staged file with uncommitted bytes has a journal beside it (see writer.py): the remote,
+the key, and the version the writer started from. At start (and periodically for failed
+commits) each journal of this remote is replayed: if the object is still at that base version,
+the bytes are committed to the key; if someone else changed it meanwhile, they are committed
+next to it as ``KEY.marinfs-conflict-<UTC time>`` and the other writer's object is left alone.
+Nothing is deleted before the remote has the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from marinfs.remote import Remote
+from marinfs.writer import JOURNAL_SUFFIX
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    key: str
+    staged: str  # the staging file that held the bytes
+    committed_as: str | None  # None when the commit failed (bytes still kept)
+    conflict: bool = False
+    error: str | None = None
+
+
+def conflict_name(key: str, now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    return f"{key}.marinfs-conflict-{stamp}"
+
+
+def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset()) -> list[Recovered]:
+    """Replay every journal of ``remote`` in ``staging_dir`` whose data file is not in ``skip``
+    (files still open in this daemon)."""
+    results = []
+    if not staging_dir.is_dir():
+        return results
+    for journal in sorted(staging_dir.glob("*" + JOURNAL_SUFFIX)):
+        try:
+            entry = json.loads(journal.read_text())
+            data = staging_dir / entry["data"]
+            key, base = entry["key"], entry.get("base_version")
+        except (OSError, ValueError, KeyError) as exc:
+            log.error("unreadable journal %s (%s); left in place", journal, exc)
+            continue
+        if entry.get("remote") != remote.url or str(data) in skip:
+            continue
+        if not data.exists():
+            journal.unlink(missing_ok=True)
+            continue
+        results.append(_replay(journal, data, key, base, remote))
+    return results
+
+
+def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote) -> Recovered:
+    try:
+        try:
+            current = remote.stat(key)
+            version = None if current.is_dir else current.version
+            clash = current.is_dir or version != base
+        except FileNotFoundError:
+            clash = base is not None  # it existed when the writer started, and is gone now
+        target = conflict_name(key) if clash else key
+        remote.upload(str(data), target)
+    except Exception as exc:  # noqa: BLE001 - reported; the bytes stay for the next attempt
+        log.error("recovering %s from %s failed: %s", key, data, exc)
+        return Recovered(key, str(data), None, error=str(exc))
+    journal.unlink(missing_ok=True)
+    data.unlink(missing_ok=True)
+    if clash:
+        log.warning("%s changed since it was staged; the staged bytes were committed as %s", key, target)
+    else:
+        log.info("recovered %s: committed the bytes a previous run had staged", key)
+    return Recovered(key, str(data), target, conflict=clash)

@@ -1,0 +1,108 @@
+"""Nothing staged is lost: journals, replay after a crash, conflicts, and SIGKILL of a live daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from marinfs.recovery import recover
+from marinfs.remote import Remote
+from marinfs.writer import JOURNAL_SUFFIX, StagedFile
+from mounting import force_unmount, subprocess_mount
+
+
+@pytest.fixture
+def remote() -> Remote:
+    url = f"memory://recovery-{uuid.uuid4().hex[:10]}"
+    r = Remote(url)
+    r.fs.mkdir(r.root)
+    return r
+
+
+def stage(tmp_path: Path, remote: Remote, key: str, data: bytes, base: str | None) -> StagedFile:
+    """What a daemon that dies before commit leaves behind."""
+    staged = StagedFile(tmp_path / "staging", key, seed=None, dirty=base is None,
+                        remote_url=remote.url, base_version=base)
+    staged.write(data, 0)
+    return staged
+
+
+def test_journal_exists_exactly_while_bytes_are_uncommitted(tmp_path: Path, remote: Remote) -> None:
+    staged = StagedFile(tmp_path / "staging", "k", seed=None, remote_url=remote.url)
+    assert not Path(staged.journal_path).exists()  # nothing to commit yet
+    staged.write(b"abc", 0)
+    entry = json.loads(Path(staged.journal_path).read_text())
+    assert entry == {"remote": remote.url, "key": "k", "base_version": None,
+                     "data": os.path.basename(staged.path)}
+    staged.rekey("renamed")
+    assert json.loads(Path(staged.journal_path).read_text())["key"] == "renamed"
+    staged.commit(remote.upload)
+    assert not Path(staged.journal_path).exists() and remote.fs.cat_file(remote.full("renamed")) == b"abc"
+    staged.discard()
+    assert list((tmp_path / "staging").iterdir()) == []
+
+
+def test_replay_commits_new_files_and_unchanged_bases(tmp_path: Path, remote: Remote) -> None:
+    stage(tmp_path, remote, "new.txt", b"never committed", base=None)
+    remote.fs.pipe_file(remote.full("old.txt"), b"v1")
+    base = remote.stat("old.txt").version
+    stage(tmp_path, remote, "old.txt", b"v2 staged", base=base)
+    results = recover(tmp_path / "staging", remote)
+    assert {(r.key, r.committed_as, r.conflict) for r in results} == {
+        ("new.txt", "new.txt", False), ("old.txt", "old.txt", False)}
+    assert remote.fs.cat_file(remote.full("new.txt")) == b"never committed"
+    assert remote.fs.cat_file(remote.full("old.txt")) == b"v2 staged"
+    assert list((tmp_path / "staging").iterdir()) == []  # nothing left once committed
+
+
+def test_replay_never_overwrites_a_changed_object(tmp_path: Path, remote: Remote) -> None:
+    remote.fs.pipe_file(remote.full("shared.json"), b"base")
+    base = remote.stat("shared.json").version
+    stage(tmp_path, remote, "shared.json", b"ours", base=base)
+    time.sleep(0.01)
+    remote.fs.pipe_file(remote.full("shared.json"), b"theirs, written later")  # another node
+    (result,) = recover(tmp_path / "staging", remote)
+    assert result.conflict and result.committed_as.startswith("shared.json.marinfs-conflict-")
+    assert remote.fs.cat_file(remote.full("shared.json")) == b"theirs, written later"
+    assert remote.fs.cat_file(remote.full(result.committed_as)) == b"ours"
+
+
+def test_replay_leaves_other_remotes_and_failed_uploads(tmp_path: Path, remote: Remote,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    other = Remote(f"memory://other-{uuid.uuid4().hex[:8]}")
+    stage(tmp_path, other, "x", b"not ours", base=None)
+    stage(tmp_path, remote, "y", b"ours", base=None)
+
+    def broken(local: str, key: str) -> None:
+        raise OSError(5, "injected")
+
+    monkeypatch.setattr(remote, "upload", broken)
+    (result,) = recover(tmp_path / "staging", remote)
+    assert result.key == "y" and result.committed_as is None and "injected" in (result.error or "")
+    assert len(list((tmp_path / "staging").glob("*" + JOURNAL_SUFFIX))) == 2  # both kept
+
+
+def test_sigkill_with_a_staged_file_then_a_new_mount_commits_it(tmp_path: Path) -> None:
+    remote_dir, mnt, cache = tmp_path / "remote", tmp_path / "mnt", tmp_path / "cache"
+    remote_dir.mkdir()
+    with subprocess_mount(str(remote_dir), mnt, cache) as pid:
+        fd = os.open(mnt / "checkpoint.bin", os.O_WRONLY | os.O_CREAT)
+        os.write(fd, b"written before the crash")
+        os.kill(pid, signal.SIGKILL)  # the daemon dies with the file open and uncommitted
+        time.sleep(0.5)
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the dead mount answers ENOTCONN
+        force_unmount(mnt)
+        assert not (remote_dir / "checkpoint.bin").exists()
+    with subprocess_mount(str(remote_dir), mnt, cache):  # a new daemon over the same cache dir
+        assert (remote_dir / "checkpoint.bin").read_bytes() == b"written before the crash"
+        assert (mnt / "checkpoint.bin").read_bytes() == b"written before the crash"
+    assert not list((cache / "staging").glob("*" + JOURNAL_SUFFIX))
