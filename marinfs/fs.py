@@ -90,7 +90,9 @@ class Filesystem:
         if not key:
             return ROOT
         staged = self._staged.get(key)
-        if staged is not None:
+        if staged is not None and staged.dirty:
+            # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
+            # file (committed, or open but unwritten) matches the remote, whose stat has a version.
             return ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
         info = self.metadata.get_stat(key)
         if info is not None:
@@ -254,7 +256,10 @@ class Filesystem:
 
     def read(self, fh: int, size: int, offset: int) -> bytes:
         handle = self._handle(fh)
-        staged = handle.staged or self._staged.get(handle.key)
+        staged = handle.staged
+        if staged is None:
+            other = self._staged.get(handle.key)  # another handle's uncommitted writes
+            staged = other if other is not None and other.dirty else None
         if staged is not None:
             return staged.read(size, offset)
         try:
