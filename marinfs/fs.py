@@ -184,8 +184,8 @@ class Filesystem:
         try:
             # Normally flush committed already; this catches writes that raced the last close.
             self._commit(staged)
-        except Exception:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
-            log.exception("commit of %s at release failed", staged.key)
+        except Exception as exc:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
+            log.error("commit of %s at release failed: %s", staged.key, exc)
         with self._lock:
             if staged.refs > 0:
                 return  # reopened meanwhile

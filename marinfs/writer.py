@@ -64,6 +64,7 @@ class StagedFile:
         self.mtime_ns = time.time_ns()
         self.refs = 0
         self.unlinked = False
+        self.failed_write = 0  # errno of a write that did not reach the staging file
         self.kept = False
 
     def _ensure_seeded(self) -> None:
@@ -89,8 +90,12 @@ class StagedFile:
             self._ensure_seeded()
             if offset is None:
                 offset = os.fstat(self.fd).st_size
-            written = os.pwrite(self.fd, data, offset)
-            self._mark_dirty()
+            try:
+                written = os.pwrite(self.fd, data, offset)
+                self._mark_dirty()  # the journal too needs the disk
+            except OSError as exc:
+                self._poison(exc)
+                raise
             self.mtime_ns = time.time_ns()
             return written
 
@@ -125,11 +130,18 @@ class StagedFile:
             Path(self.journal_path).unlink(missing_ok=True)
             self._journaled = False
 
+    def _poison(self, exc: OSError) -> None:
+        """A write was lost (staging disk full...): the file must never be committed half-done."""
+        self.failed_write = exc.errno or 5
+        log.error("staging %s failed (%s); it will not be committed", self.key, exc.strerror)
+
     def commit(self, upload: Callable[[str, str], None]) -> None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error."""
         with self.lock:
             if not self.dirty or self.unlinked:
                 return
+            if self.failed_write:
+                raise OSError(self.failed_write, f"a write to {self.key} failed; not committed")
             self._ensure_seeded()
             upload(self.path, self.key)
             self.dirty = False
@@ -139,7 +151,7 @@ class StagedFile:
         """Drop the staging file, unless it holds uncommitted bytes: those are kept on disk."""
         with self.lock:
             os.close(self.fd)
-            if self.dirty and not self.unlinked:
+            if self.dirty and not self.unlinked and not self.failed_write:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it
                 log.error("commit of %s failed; its staged bytes are kept in %s", self.key, self.path)
                 return

@@ -4,6 +4,7 @@ the object-store servers run once per session and are stopped by PID."""
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,3 +71,18 @@ def mounted(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mounted]
         fs, base = fsspec_client(url, {**options, "use_listings_cache": False})
         with subprocess_mount(url, mnt, cache, env=env) as pid:
             yield Mounted(mnt=mnt, url=url, fs=fs, root=base, cache_dir=cache, pid=pid, env=env)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB filesystem for the cache directory: it fills at once (root only)."""
+    path = tmp_path / "tiny"
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

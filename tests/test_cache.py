@@ -195,21 +195,6 @@ def test_cache_warm_then_read_costs_no_gets(remote: Remote, tmp_path: Path) -> N
         assert gets(core) == before
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB filesystem for the cache directory: it fills at once (root only)."""
-    path = tmp_path / "tiny"
-    path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(path)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def test_full_cache_disk_degrades_to_uncached_reads(tiny_tmpfs: Path, tmp_path: Path) -> None:
     (tmp_path / "remote").mkdir()
     data = os.urandom(6 * MiB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -106,3 +107,21 @@ def test_sigkill_with_a_staged_file_then_a_new_mount_commits_it(tmp_path: Path) 
         assert (remote_dir / "checkpoint.bin").read_bytes() == b"written before the crash"
         assert (mnt / "checkpoint.bin").read_bytes() == b"written before the crash"
     assert not list((cache / "staging").glob("*" + JOURNAL_SUFFIX))
+
+
+def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Path, tmp_path: Path) -> None:
+    """ENOSPC while staging: the writer gets the error and no half-written file appears."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(remote_dir), mnt, tiny_tmpfs, "--cache-size", "0"):
+        with pytest.raises(OSError) as info:
+            with open(mnt / "big.bin", "wb") as f:
+                for _ in range(8):
+                    f.write(os.urandom(1 << 20))  # 8 MiB into a 1 MiB staging disk
+        assert info.value.errno == errno.ENOSPC
+        time.sleep(0.3)
+        assert not (remote_dir / "big.bin").exists()  # nothing half-committed is visible
+        assert not list(tiny_tmpfs.glob("staging/*"))  # and no partial bytes linger
+        (mnt / "small.txt").write_text("fits")  # the mount still works once there is room
+        assert (remote_dir / "small.txt").read_text() == "fits"
