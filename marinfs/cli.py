@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-min-free", type=parse_size, help="free space to leave on the cache disk (1G)")
     m.add_argument("--prefetch-workers", type=int, help="parallel ranged GETs (8)")
     m.add_argument("--read-ahead-kb", type=int, help="kernel readahead, root only, 0: leave (1024)")
-    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
+    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (0: off)")
+    m.add_argument("--metrics-addr", help="address the metrics server binds (127.0.0.1)")
     m.add_argument("-o", "--storage-option", action="append", default=[], type=parse_storage_option,
                    metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
 

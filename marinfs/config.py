@@ -86,8 +86,9 @@ class MountConfig:
     max_readahead_chunks: int = 32
     # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
     read_ahead_kb: int = 1024
-    # Prometheus metrics on 127.0.0.1:PORT; 0 is off.
+    # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
     metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
     connect_timeout: float = 30.0
     read_timeout: float = 120.0

@@ -188,6 +188,7 @@ SCHEMA: dict[str, Callable[[object, str | None], Any]] = {
     "prefetch_workers": _int(1),
     "read_ahead_kb": _int(0),
     "metrics_port": _int(0, 65535),
+    "metrics_addr": _text,
     "storage_options": _table,
 }
 KEYS = tuple(SCHEMA)

@@ -160,8 +160,8 @@ def run_foreground(cfg: MountConfig) -> None:
         from marinfs.metrics import Metrics
 
         adapter.metrics = Metrics(fs)
-        adapter.metrics.serve(cfg.metrics_port)
-        log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
+        adapter.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
@@ -211,7 +211,7 @@ def start_background(cfg: MountConfig) -> Path:
     for glob in cfg.immutable:
         argv += ["--immutable", glob]
     if cfg.metrics_port:
-        argv += ["--metrics-port", str(cfg.metrics_port)]
+        argv += ["--metrics-port", str(cfg.metrics_port), "--metrics-addr", cfg.metrics_addr]
     if cfg.log_file:
         argv += ["--log-file", cfg.log_file]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other

@@ -70,12 +70,17 @@ client_kwargs = {endpoint_url = "http://x"}
 
 
 def test_every_cli_key_is_known() -> None:
-    for key in ("remote", "mountpoint", "read_only", "allow_other", "uid", "gid", "file_mode",
-                "dir_mode", "log_level", "log_file", "cache_dir", "metadata_ttl", "negative_ttl",
-                "list_ttl", "immutable", "mount_timeout", "connect_timeout", "read_timeout",
-                "retries", "chunk_size", "cache_size", "cache_min_free", "prefetch_workers",
-                "read_ahead_kb", "metrics_port", "storage_options"):
-        assert key in configfile.KEYS
+    """Every `marinfs mount` flag has a config key, and every key is a MountConfig field."""
+    import dataclasses
+
+    from marinfs.cli import build_parser
+    from marinfs.config import MountConfig
+
+    mount = build_parser()._subparsers._group_actions[0].choices["mount"]  # noqa: SLF001
+    flags = {a.dest for a in mount._actions} - {"help", "args", "config", "foreground", "storage_option"}
+    assert flags <= set(configfile.KEYS), flags - set(configfile.KEYS)
+    fields = {f.name for f in dataclasses.fields(MountConfig)}
+    assert set(configfile.KEYS) <= fields, set(configfile.KEYS) - fields
 
 
 def test_example_file_loads(tmp_path: Path) -> None:
