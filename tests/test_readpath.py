@@ -173,7 +173,9 @@ def test_a_full_disk_degrades_to_uncached_reads(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr("marinfs.chunkcache.tempfile.mkstemp", no_space)
     fetch = RecordingFetch(DATA)
-    reader = ObjectReader(ref(), ChunkFetcher(fetch, cache, chunk_size=8 * MiB))
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=8 * MiB)
+    reader = ObjectReader(ref(), fetcher)
     assert reader.read(MiB, 3 * MiB) == DATA[3 * MiB:4 * MiB]
+    fetcher.close()  # let the readahead it started finish (and fail to cache) too
     assert cache.used == 0 and cache.stats.write_failures >= 1
     cache.check_invariants()
