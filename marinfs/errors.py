@@ -35,10 +35,6 @@ class StaleVersionError(OSError):
         super().__init__(errno.ESTALE, detail)
 
 
-class CommitError(RemoteError):
-    """Uploading staged bytes failed; the staged file is kept."""
-
-
 class FsError(OSError):
     """An error that already knows its errno (raised by the filesystem core)."""
 

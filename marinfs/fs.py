@@ -263,16 +263,16 @@ class Filesystem:
         if staged is not None:
             return staged.read(size, offset)
         try:
-            return self._reader(handle).read(size, offset)
+            data = self._reader(handle).read(size, offset)
         except StaleVersionError:
             if handle.served:
                 raise  # never mix versions within one handle: ESTALE
             # Nothing served yet: the stat we opened with was stale. Open the new version.
             self.metadata.invalidate(handle.key)
             handle.info, handle.reader = self.lookup(handle.key), None
-            return self._reader(handle).read(size, offset)
-        finally:
-            handle.served = True
+            data = self._reader(handle).read(size, offset)
+        handle.served = True  # only bytes actually returned pin the handle to its version
+        return data
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader

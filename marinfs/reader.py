@@ -93,6 +93,10 @@ class ChunkFetcher:
             if future is not None:
                 return future, False
             future = Future()
+            data = self._memory.get(ck)
+            if data is not None:  # fetched by another thread since our first look
+                future.set_result(data)
+                return future, False
             self._inflight[ck] = future
             return future, True
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_storage_option
-from marinfs.errors import CommitError, FsError, RemoteError, UsageError, errno_for
+from marinfs.errors import FsError, RemoteError, UsageError, errno_for
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
@@ -95,7 +95,7 @@ def staging_files(fs: Filesystem) -> list[Path]:
     (FileNotFoundError(), errno.ENOENT), (FileExistsError(), errno.EEXIST),
     (IsADirectoryError(), errno.EISDIR), (NotADirectoryError(), errno.ENOTDIR),
     (PermissionError(), errno.EACCES), (TimeoutError(), errno.ETIMEDOUT),
-    (RemoteError("x"), errno.EIO), (CommitError("x"), errno.EIO),
+    (RemoteError("x"), errno.EIO),
     (OSError(errno.ENOSPC, "full"), errno.ENOSPC), (FsError(errno.ENAMETOOLONG), errno.ENAMETOOLONG),
     (PermissionError(errno.EPERM, "x"), errno.EPERM),
     (ValueError("x"), errno.EIO), (KeyError("x"), errno.EIO), (EOFError(), errno.EIO),
@@ -556,3 +556,20 @@ def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> Non
     assert len(fs.readdir("/")) == 2
     assert fs.getattr("/b").size == 2 and len(fs.readdir("/")) == 2  # the listing filled b's stat
     assert remote.stats.snapshot()["requests"] == {"list": 1}
+
+
+def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"old")
+    fh = fs.open("/a", os.O_RDONLY)
+    real_fetch = fs.fetcher.fetch
+
+    def failing(*args: object) -> bytes:
+        raise RemoteError("injected")
+
+    fs.fetcher.fetch = failing
+    with pytest.raises(RemoteError):
+        fs.read(fh, 10, 0)  # nothing was served...
+    fs.fetcher.fetch = real_fetch
+    put(remote, "a", b"newer!")  # ...so a change now is picked up, not answered with ESTALE
+    assert fs.read(fh, 10, 0) == b"newer!"
+    fs.release(fh)
