@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--immutable", action="append", metavar="GLOB",
                    help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'")
     m.add_argument("--mount-timeout", type=float)
+    m.add_argument("--drain-timeout", type=float, help="seconds unmount waits for pending commits (300)")
+    m.add_argument("--commit-retry-interval", type=float, help="seconds between retries of failed commits (30)")
     m.add_argument("--connect-timeout", type=float, help="seconds to connect to the remote (30)")
     m.add_argument("--read-timeout", type=float, help="seconds a remote response may stall (120)")
     m.add_argument("--retries", type=int, help="attempts per remote call for transient errors (5)")

@@ -52,6 +52,11 @@ class RemoteSettings:
     attempts: int = 5
     backoff_base: float = 0.25
     backoff_max: float = 10.0
+    # Commits to S3/GCS go in parts of this size (S3 allows 10,000 of them: 160 GB at 16 MiB;
+    # bigger files are uploaded whole at close by s3fs, which sizes its parts to fit), with at
+    # most ``upload_concurrency`` parts in memory and in flight per file.
+    upload_part_size: int = 16 << 20
+    upload_concurrency: int = 4
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,10 @@ class MountConfig:
     read_timeout: float = 120.0
     retries: int = 5
     mount_timeout: float = 60.0
+    # Unmount and SIGTERM wait this long for pending commits; what is left keeps its journal
+    # and is committed by the next start. Failed commits are retried every interval.
+    drain_timeout: float = 300.0
+    commit_retry_interval: float = 30.0
     storage_options: tuple[tuple[str, str], ...] = ()
 
     def remote_settings(self) -> RemoteSettings:

@@ -179,6 +179,8 @@ SCHEMA: dict[str, Callable[[object, str | None], Any]] = {
     "list_ttl": _seconds,
     "immutable": _globs,
     "mount_timeout": _seconds,
+    "drain_timeout": _seconds,
+    "commit_retry_interval": _seconds,
     "connect_timeout": _seconds,
     "read_timeout": _seconds,
     "retries": _int(1),

@@ -75,7 +75,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
                     read_only=cfg.read_only, fetcher=fetcher,
-                    max_readahead_chunks=cfg.max_readahead_chunks)
+                    max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout)
     fs.failed_commits.extend(failed)
     return fs
 
@@ -121,14 +121,14 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
-    ticks = 0
-    while not stop.wait(2.0):
-        ticks += 1
+    last_retry = time.monotonic()
+    while not stop.wait(min(2.0, max(cfg.commit_retry_interval, 0.1))):
         try:
             write_stats(fs, cfg, started)
         except OSError as exc:
             log.debug("cannot write stats: %s", exc)
-        if fs.failed_commits and ticks % 15 == 0:  # every 30 s: retry failed commits
+        if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
+            last_retry = time.monotonic()
             still: list = []
             _recover(cfg.cache_dir / "staging", fs.remote, still, fs.open_staging_files())
             fs.failed_commits[:] = still
@@ -187,6 +187,11 @@ def run_foreground(cfg: MountConfig) -> None:
         if fs.fetcher.cache is not None:
             fs.fetcher.cache.close()
     log.info("unmounted %s", cfg.mountpoint)
+    if not fs.drained:
+        # Commits still hang on the remote; their journals are on disk. Do not let Python's
+        # exit wait for the upload threads: the drain timeout is the bound we promised.
+        logging.shutdown()
+        os._exit(0)
 
 
 def start_background(cfg: MountConfig) -> Path:
@@ -205,7 +210,8 @@ def start_background(cfg: MountConfig) -> Path:
             "--read-timeout", str(cfg.read_timeout), "--retries", str(cfg.retries),
             "--chunk-size", str(cfg.chunk_size), "--cache-size", str(cfg.cache_size),
             "--cache-min-free", str(cfg.cache_min_free), "--prefetch-workers", str(cfg.prefetch_workers),
-            "--read-ahead-kb", str(cfg.read_ahead_kb)]
+            "--read-ahead-kb", str(cfg.read_ahead_kb), "--drain-timeout", str(cfg.drain_timeout),
+            "--commit-retry-interval", str(cfg.commit_retry_interval)]
     if cfg.list_ttl is not None:
         argv += ["--list-ttl", str(cfg.list_ttl)]
     for glob in cfg.immutable:

@@ -35,6 +35,10 @@ class StaleVersionError(OSError):
         super().__init__(errno.ESTALE, detail)
 
 
+class PreconditionFailed(MarinfsError):
+    """A conditional commit found the object changed since the writer opened it (HTTP 412)."""
+
+
 class FsError(OSError):
     """An error that already knows its errno (raised by the filesystem core)."""
 
@@ -53,6 +57,7 @@ ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (TimeoutError, errno.ETIMEDOUT),
     (ConnectionError, errno.EIO),
     (NotImplementedError, errno.ENOSYS),
+    (PreconditionFailed, errno.ESTALE),
     (RemoteError, errno.EIO),
 )
 

@@ -15,16 +15,19 @@ import os
 import posixpath
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cachetools import LRUCache
 
-from marinfs.errors import FsError, StaleVersionError
+from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
+from marinfs.recovery import conflict_name
 from marinfs.remote import ObjectInfo, Remote
+from marinfs.uploads import PartStream
 from marinfs.writer import StagedFile
 
 log = logging.getLogger(__name__)
@@ -67,13 +70,15 @@ class Filesystem:
 
     def __init__(self, remote: Remote, staging_dir: Path, metadata: MetadataCache | None = None,
                  read_only: bool = False, fetcher: ChunkFetcher | None = None,
-                 max_readahead_chunks: int = 32) -> None:
+                 max_readahead_chunks: int = 32, drain_timeout: float = 300.0) -> None:
         self.remote = remote
         self.metadata = metadata or MetadataCache()
         self.staging_dir = staging_dir
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
         self.max_readahead_chunks = max_readahead_chunks
+        self.drain_timeout = drain_timeout
+        self.drained = True  # False once an unmount gave up waiting for pending commits
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, str | None] = LRUCache(maxsize=65536)
@@ -82,6 +87,8 @@ class Filesystem:
         self._staged: dict[str, StagedFile] = {}
         self._own_mtimes: LRUCache[str, tuple[str, int]] = LRUCache(maxsize=65536)
         self.failed_commits: list[dict[str, str]] = []  # key -> where its bytes are kept
+        # Commits that found the object changed by someone else: key -> where the bytes went.
+        self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         self._next_fh = itertools.count(1)
 
     # -- lookups -------------------------------------------------------------------------------
@@ -97,7 +104,7 @@ class Filesystem:
         info = self.metadata.get_stat(key)
         if info is not None:
             return info
-        if self.metadata.is_missing(key):
+        if self.metadata.is_missing(key) or self.metadata.listed_missing(key):
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         try:
             info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
@@ -165,7 +172,8 @@ class Filesystem:
                 base = dict(remote_url=self.remote.url, base_version=info.version if info else None)
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
-                                        dirty=info is None or (truncate and info.size > 0), **base)
+                                        dirty=info is None or (truncate and info.size > 0),
+                                        stream=self._stream if self.remote.streams else None, **base)
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
                                         seed=self.remote.download, **base)
@@ -175,6 +183,11 @@ class Filesystem:
         if truncate:
             staged.truncate(0)
         return staged
+
+    def _stream(self, fd: int, key: str, expect: str | None) -> PartStream:
+        settings = self.remote.settings
+        return PartStream(fd, lambda: self.remote.part_session(key, expect), settings.upload_part_size,
+                          self.remote.part_pool, settings.upload_concurrency)
 
     def _release_staged(self, staged: StagedFile) -> None:
         with self._lock:
@@ -201,7 +214,8 @@ class Filesystem:
         with self._lock:
             pending = sorted(k for k, st in self._staged.items() if st.dirty and not st.unlinked)
             failed = list(self.failed_commits)
-        return {"pending": pending, "failed": failed}
+            conflicts = list(self.conflicts)
+        return {"pending": pending, "failed": failed, "conflicts": conflicts}
 
     def open_staging_files(self) -> frozenset[str]:
         """Staging files of files open right now (recovery must leave them to their writers)."""
@@ -225,6 +239,10 @@ class Filesystem:
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         if writable or flags & os.O_TRUNC:
             self._writable()
+        if writable and key not in self._staged:
+            # The version a writer starts from decides whether its commit may replace the
+            # object: take it from the remote, not from a cache that may be seconds old.
+            self.metadata.invalidate(key)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
@@ -250,7 +268,7 @@ class Filesystem:
                 raise FsError(errno.EEXIST, key)
             return self.open(path, flags)
         self._require_dir(posixpath.dirname(key))
-        self.metadata.invalidate(key)
+        self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         staged = self._acquire_staged(key, None, truncate=False)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
 
@@ -302,22 +320,58 @@ class Filesystem:
     def _commit(self, staged: StagedFile) -> None:
         if not staged.dirty or staged.unlinked:
             return
-        staged.commit(self.remote.upload)
-        self.metadata.invalidate(staged.key)
-        with self._lock:
-            self._kernel_versions.pop(staged.key, None)
-        # Learn the committed object's own metadata (version, timestamp) now: a listing will
-        # report the same, so tools that compare stats (tar) never see a change that was not.
+        key = staged.key
         try:
-            info = self.remote.stat(staged.key)
-        except FileNotFoundError:
-            return  # unlinked or renamed meanwhile by someone else
+            version = staged.commit(self.remote.upload)
+        except PreconditionFailed:
+            self.metadata.invalidate(key)
+            self._commit_conflict(staged)
+            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened") from None
+        except BaseException:
+            self.metadata.invalidate(key)
+            raise
+        finally:
+            with self._lock:
+                self._kernel_versions.pop(key, None)
+        if version is not None:
+            # The upload answered the new version (S3 ETag, GCS generation): that and the size
+            # we wrote are the object's metadata; its timestamp is shown as the writer's below.
+            info = ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns,
+                              version=version)
+        else:
+            # Learn the committed object's own metadata (version, timestamp) now: a listing will
+            # report the same, so tools that compare stats (tar) never see a change that was not.
+            self.metadata.forget(key)
+            try:
+                info = self.remote.stat(key)
+            except FileNotFoundError:
+                self.metadata.invalidate(key)
+                return  # unlinked or renamed meanwhile by someone else
+        # The next commit of this file replaces exactly what we wrote: the version the upload
+        # answered (a stat could already show a later writer's object), else the stat's.
+        staged.base_version = version or info.version
         # The kernel may still hold the writer's mtime for a moment: keep showing it for the
         # version we wrote, so tools that compare stats (tar) do not see a change that was not.
         if info.version:
             with self._lock:
-                self._own_mtimes[staged.key] = (info.version, staged.mtime_ns)
-        self.metadata.put_stat(info)
+                self._own_mtimes[key] = (info.version, staged.mtime_ns)
+        self.metadata.put_own(info)
+
+    def _commit_conflict(self, staged: StagedFile) -> None:
+        """Someone else replaced (or removed) the object under our writer: never overwrite it.
+        Our bytes are committed beside it, and close() reports ESTALE (see docs/semantics.md)."""
+        target = conflict_name(staged.key)
+        try:
+            staged.commit(self.remote.upload, key=target)
+        except Exception:
+            log.error("%s changed on the remote since it was opened, and saving our bytes as %s "
+                      "failed; they are kept in %s", staged.key, target, staged.path)
+            raise
+        self.metadata.invalidate(target)
+        log.warning("%s changed on the remote since it was opened; our bytes were committed as %s",
+                    staged.key, target)
+        with self._lock:
+            self.conflicts.append({"key": staged.key, "committed_as": target})
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
         own = self._own_mtimes.get(info.name) if not info.is_dir else None
@@ -377,8 +431,8 @@ class Filesystem:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
         self.remote.make_dir(key)
-        self.metadata.invalidate(key)
-        self.metadata.put_stat(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns()))
+        self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns()))
+        self.metadata.put_listing(key, [])  # we just made it: nothing is in it yet
 
     def rmdir(self, path: str) -> None:
         self._writable()
@@ -438,10 +492,18 @@ class Filesystem:
             if replaced is not None:
                 replaced.unlinked = True
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
+            moved = []
             for k in moving:
                 staged = self._staged.pop(k)
                 staged.rekey(dst + k[len(src):])
                 self._staged[staged.key] = staged
+                moved.append(staged)
+        for staged in moved:
+            # The rename made a new object: the writer's next commit replaces that one.
+            try:
+                staged.base_version = self.remote.stat(staged.key).version
+            except FileNotFoundError:
+                staged.base_version = None
 
     def _rename_file(self, src: str, dst: str) -> None:
         staged = self._staged.get(src)
@@ -473,7 +535,20 @@ class Filesystem:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close_all(self) -> None:
-        """Release every handle (unmount): commits what can be committed, keeps the rest."""
+        """Release every handle (unmount): commits what can be committed within the drain
+        timeout; what is left stays staged with its journal for the next start to commit."""
+        worker = threading.Thread(target=self._close_all, name="marinfs-drain", daemon=True)
+        worker.start()
+        worker.join(self.drain_timeout)
+        self.drained = not worker.is_alive()
+        if not self.drained:
+            with self._lock:
+                left = sorted(k for k, st in self._staged.items() if st.dirty and not st.unlinked)
+            log.error("unmount: pending commits did not finish within %.0f s; %d file(s) stay staged "
+                      "in %s with journals and are committed on the next start: %s",
+                      self.drain_timeout, len(left), self.staging_dir, ", ".join(left[:20]))
+
+    def _close_all(self) -> None:
         with self._lock:
             fhs = list(self._handles)
         for fh in fhs:

@@ -59,7 +59,9 @@ class MetadataCache:
         self._immutable = [compile_glob(g) for g in immutable]
         self._stats: TTLCache[str, ObjectInfo] = TTLCache(maxsize, ttl or 1e-9, timer=timer)
         self._pinned: LRUCache[str, ObjectInfo] = LRUCache(maxsize)
-        self._listings: TTLCache[str, tuple[ObjectInfo, ...]] = TTLCache(
+        # A listing maps child key -> stat, so a name absent from a fresh listing is known
+        # missing at no cost; our own mkdir/commits update it in place (same expiry).
+        self._listings: TTLCache[str, dict[str, ObjectInfo]] = TTLCache(
             max(1, maxsize // 10), self.list_ttl or 1e-9, timer=timer)
         self._missing: TTLCache[str, bool] = TTLCache(maxsize, negative_ttl or 1e-9, timer=timer)
         # Whether a key was a directory when last seen, kept past every TTL: a hint that makes
@@ -107,21 +109,45 @@ class MetadataCache:
             self._pinned.pop(key, None)
             parent = posixpath.dirname(key)
             listing = self._listings.get(parent)
-            if listing is not None and any(c.name == key for c in listing):
+            if listing is not None and key in listing:
                 del self._listings[parent]  # it listed what is gone
 
     def get_listing(self, key: str) -> list[ObjectInfo] | None:
         with self._lock:
             children = self._listings.get(key)
-            return None if children is None else list(children)
+            return None if children is None else list(children.values())
 
     def put_listing(self, key: str, children: Iterable[ObjectInfo]) -> None:
-        children = tuple(children)
+        listing = {c.name: c for c in children}
         with self._lock:
-            for info in children:
+            for info in listing.values():
                 self._put_locked(info)
             if self.list_ttl > 0:
-                self._listings[key] = children
+                self._listings[key] = listing
+
+    def listed_missing(self, key: str) -> bool:
+        """Whether the parent's listing, still fresh, lacks ``key``: then it does not exist, and
+        asking the remote would cost a HEAD and a LIST (``tar -x`` into a new directory)."""
+        with self._lock:
+            listing = self._listings.get(posixpath.dirname(key))
+            return listing is not None and key not in listing
+
+    def put_own(self, info: ObjectInfo) -> None:
+        """We just created or committed ``info``: cache its stat and add it to its parent's
+        listing if that is cached (instead of dropping the listing, as for others' changes)."""
+        with self._lock:
+            self._stats.pop(info.name, None)
+            self._pinned.pop(info.name, None)
+            self._put_locked(info)
+            listing = self._listings.get(posixpath.dirname(info.name))
+            if listing is not None:
+                listing[info.name] = info
+
+    def forget(self, key: str) -> None:
+        """Forget what we knew of ``key`` alone (its parent's listing stays valid)."""
+        with self._lock:
+            for cache in (self._stats, self._pinned, self._missing):
+                cache.pop(key, None)
 
     def invalidate(self, key: str) -> None:
         """Forget ``key`` and its parent's listing (its entry may have appeared or gone)."""

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from marinfs.errors import PreconditionFailed
 from marinfs.remote import Remote
+from marinfs.uploads import ABSENT
 from marinfs.writer import JOURNAL_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -60,20 +62,20 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
 
 
 def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote) -> Recovered:
+    target = key
     try:
         try:
-            current = remote.stat(key)
-            version = None if current.is_dir else current.version
-            clash = current.is_dir or version != base
-        except FileNotFoundError:
-            clash = base is not None  # it existed when the writer started, and is gone now
-        target = conflict_name(key) if clash else key
-        remote.upload(str(data), target)
+            # Replace exactly the version the writer started from (None: it did not exist).
+            remote.upload(str(data), key, expect=base if base is not None else ABSENT)
+        except PreconditionFailed:
+            target = conflict_name(key)
+            remote.upload(str(data), target, expect=ABSENT)
     except Exception as exc:  # noqa: BLE001 - reported; the bytes stay for the next attempt
         log.error("recovering %s from %s failed: %s", key, data, exc)
         return Recovered(key, str(data), None, error=str(exc))
     journal.unlink(missing_ok=True)
     data.unlink(missing_ok=True)
+    clash = target != key
     if clash:
         log.warning("%s changed since it was staged; the staged bytes were committed as %s", key, target)
     else:

@@ -9,6 +9,7 @@ how a file is committed atomically, and it counts every request it makes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import datetime as _dt
 import errno
 import logging
@@ -28,7 +29,8 @@ import fsspec.asyn
 import fsspec.config
 
 from marinfs.config import RemoteSettings
-from marinfs.errors import RemoteError, StaleVersionError, UsageError
+from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
+from marinfs.uploads import ABSENT, S3_MAX_PARTS, GCSSession, PartSession, S3Session, upload_file
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
 T = TypeVar("T")
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,17 @@ class Remote:
             self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
         # Object stores: count real HTTP requests (pages, parts), not our logical calls.
         self._count_http = _instrument(self.fs, protocol, self.stats)
+        self._part_pool: cf.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def part_pool(self) -> cf.ThreadPoolExecutor:
+        """Threads that send upload parts (shared by every file of this mount)."""
+        with self._pool_lock:
+            if self._part_pool is None:
+                self._part_pool = cf.ThreadPoolExecutor(max_workers=2 * self.settings.upload_concurrency + 2,
+                                                        thread_name_prefix="marinfs-upload")
+            return self._part_pool
 
     # -- paths ---------------------------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -187,7 +201,11 @@ class Remote:
         for attempt in range(1, attempts + 1):
             try:
                 return fn(*args, **kwargs)
+            except PreconditionFailed:
+                raise
             except Exception as exc:  # noqa: BLE001 - classified right below
+                if is_precondition_failure(exc):
+                    raise PreconditionFailed(f"{self.url}: the object changed since it was opened") from exc
                 if not is_transient(exc):
                     raise
                 if attempt == attempts:
@@ -334,15 +352,23 @@ class Remote:
         self._call("get", self.fs.get_file, self.full(key), local_path)
         self.stats.add_bytes(bytes_in=os.path.getsize(local_path))
 
-    def upload(self, local_path: str, key: str) -> None:
-        """Commit a local file as ``key``; readers see the old or the new object, never a part."""
+    def upload(self, local_path: str, key: str, expect: str | None = None) -> str | None:
+        """Commit a local file as ``key``; readers see the old or the new object, never a part.
+
+        ``expect`` makes the commit conditional: the version the writer started from, or
+        ``ABSENT`` for a new file; if the object is not (or no longer) that, nothing is written
+        and PreconditionFailed is raised. S3 and GCS check it on the server, atomically; other
+        backends compare a stat taken just before the commit. Answers the new version if known.
+        """
         size = os.path.getsize(local_path)
         target = self.full(key)
+        version: str | None = None
         if self.hierarchical:
             parent = posixpath.dirname(target)
             tmp = posixpath.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}")
             try:
                 self._call("put", self.fs.put_file, local_path, tmp)
+                self._check_expected(key, expect)
                 self.fs.mv(tmp, target)
             except BaseException:
                 try:
@@ -350,11 +376,64 @@ class Remote:
                 except OSError:
                     pass
                 raise
+        elif self.object_store and (expect is None or expect == ABSENT or expect[0] in "eg"):
+            if size >= self.settings.upload_part_size:  # parts count their own bytes
+                # S3 allows 10,000 parts: files past 160 GB get bigger parts, fewer at a time.
+                part = max(self.settings.upload_part_size, -(-size // S3_MAX_PARTS // MiB) * MiB)
+                in_flight = max(1, min(self.settings.upload_concurrency, (256 * MiB) // part))
+                return upload_file(local_path, lambda: self.part_session(key, expect, part),
+                                   part, self.part_pool, in_flight)
+            version = self._put_small(local_path, key, expect)
         else:
-            # s3fs switches to multipart above 100 MiB with parts sized so 10,000 of them
-            # cover the file (5 TiB max); gcsfs uses resumable uploads, which have no part limit.
+            self._check_expected(key, expect)
             self._call("put", self.fs.put_file, local_path, target)
         self.stats.add_bytes(bytes_out=size)
+        return version
+
+    def _check_expected(self, key: str, expect: str | None) -> None:
+        if expect is None:
+            return
+        try:
+            current = self.stat(key)
+            found = "a directory" if current.is_dir else current.version
+        except FileNotFoundError:
+            found = ABSENT
+        if found != expect:
+            raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+
+    def _put_small(self, local_path: str, key: str, expect: str | None) -> str | None:
+        with open(local_path, "rb") as f:
+            data = f.read()
+        bucket, path, _ = self.fs.split_path(self.full(key))
+        if self.protocol in ("s3", "s3a"):
+            match = {} if expect is None else (
+                {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": f'"{expect[1:]}"'})
+            out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
+                             Bucket=bucket, Key=path, Body=data, **match)
+            etag = out.get("ETag")
+            return f"e{etag.strip(chr(34))}" if etag else None
+        params = {} if expect is None else {"ifGenerationMatch": "0" if expect == ABSENT else expect[1:]}
+        try:
+            out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call, "POST",
+                             f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",
+                             name=path, data=data, json_out=True, **params)
+        except FileExistsError:  # gcsfs's translation of HTTP 412
+            raise PreconditionFailed(f"{self.url}/{key} changed since it was opened") from None
+        generation = (out or {}).get("generation")
+        return f"g{generation}" if generation else None
+
+    def part_session(self, key: str, expect: str | None, part_size: int | None = None) -> PartSession:
+        """A multipart (S3) or resumable (GCS) upload of ``key``; object stores only."""
+        bucket, path, _ = self.fs.split_path(self.full(key))
+        run = lambda kind, fn: self._call(kind, fn)  # noqa: E731 - retries and counting
+        cls = S3Session if self.protocol in ("s3", "s3a") else GCSSession
+        return cls(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size, run,
+                   lambda n: self.stats.add_bytes(bytes_out=n))
+
+    @property
+    def streams(self) -> bool:
+        """Whether commits can be sent in parts while a file is being written."""
+        return self.object_store
 
     def copy(self, src: str, dst: str) -> None:
         self._call("copy", self.fs.cp_file, self.full(src), self.full(dst))
@@ -440,6 +519,22 @@ _TRANSIENT_NAMES = frozenset({
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
+def is_precondition_failure(exc: BaseException) -> bool:
+    """HTTP 412 from S3 (s3fs turns it into EINVAL) or GCS (gcsfs turns it into FileExistsError
+    only on uploads, where we catch it ourselves)."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
@@ -514,8 +609,10 @@ def _gcs_kind(method: str, path: str, params: dict[str, Any]) -> str:
         return "delete"
     if "/rewriteTo/" in path or "/copyTo/" in path or "/compose" in path:
         return "copy"
+    if "upload_id=" in path or params.get("uploadType") == "resumable":
+        return "part"  # a resumable session: its start and every chunk
     if "/upload/" in path or params.get("uploadType"):
-        return "put" if method == "POST" else "part"
+        return "put"
     if method == "GET":
         if params.get("alt") == "media" or "alt=media" in path or "/download/" in path:
             return "get"

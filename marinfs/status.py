@@ -63,7 +63,11 @@ def format_status(items: list[dict[str, Any]]) -> str:
                 lines.append("  errors: " + ", ".join(f"{k} {v}" for k, v in sorted(req["errors"].items())))
         up = it.get("uploads")
         if up:
-            lines.append(f"  uploads: {len(up['pending'])} pending, {len(up['failed'])} failed"
-                         + "".join(f"\n    failed {f['key']} (bytes kept in {f['staged']})" for f in up["failed"]))
+            conflicts = up.get("conflicts", [])
+            lines.append(f"  uploads: {len(up['pending'])} pending, {len(up['failed'])} failed, "
+                         f"{len(conflicts)} conflicts"
+                         + "".join(f"\n    failed {f['key']} (bytes kept in {f['staged']})" for f in up["failed"])
+                         + "".join(f"\n    conflict {c['key']}: changed by someone else; our bytes are in "
+                                   f"{c['committed_as']}" for c in conflicts[-10:]))
         blocks.append("\n".join(lines))
     return "\n".join(blocks)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from marinfs.uploads import ABSENT, PartStream
+
 log = logging.getLogger(__name__)
 JOURNAL_SUFFIX = ".journal.json"
 
@@ -37,12 +39,18 @@ class StagedFile:
 
     ``seed`` copies the current remote content into the staging file; it runs lazily, the first
     time old bytes are needed, and never for a new or truncated file. ``dirty`` means the staging
-    file holds bytes the remote does not have yet.
+    file holds bytes the remote does not have yet. ``base_version`` is the version the writer
+    started from (None: the key did not exist); a commit only replaces that version.
+
+    A new or truncated file may also be streamed: ``stream`` (a function of the staging file's
+    descriptor) makes a :class:`PartStream` that sends parts while the file is written, so the
+    commit at close only sends the tail. The staging file stays complete either way.
     """
 
     def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
                  base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
-                 base_version: str | None = None) -> None:
+                 base_version: str | None = None,
+                 stream: Callable[[int, str, str | None], PartStream] | None = None) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
         self.fd = fd
@@ -66,6 +74,14 @@ class StagedFile:
         self.unlinked = False
         self.failed_write = 0  # errno of a write that did not reach the staging file
         self.kept = False
+        self.stream: PartStream | None = None
+        if stream is not None and seed is None:
+            self.stream = stream(self.fd, key, self.expected)
+
+    @property
+    def expected(self) -> str:
+        """What a commit requires the remote to hold: the base version, or no object at all."""
+        return self.base_version if self.base_version is not None else ABSENT
 
     def _ensure_seeded(self) -> None:
         if self.seeded:
@@ -97,6 +113,8 @@ class StagedFile:
                 self._poison(exc)
                 raise
             self.mtime_ns = time.time_ns()
+            if self.stream is not None:
+                self.stream.on_write(offset, written)
             return written
 
     def truncate(self, length: int) -> None:
@@ -108,6 +126,8 @@ class StagedFile:
             os.ftruncate(self.fd, length)
             self._mark_dirty()
             self.mtime_ns = time.time_ns()
+            if self.stream is not None:
+                self.stream.on_truncate(length)
 
     def _mark_dirty(self) -> None:
         self.dirty = True
@@ -121,6 +141,7 @@ class StagedFile:
         """The file was renamed: later commits (and a recovery) go to the new name."""
         with self.lock:
             self.key = key
+            self._end_stream()  # its upload was addressed to the old name
             if self._journaled:
                 self._journaled = False
                 self._mark_dirty()
@@ -135,21 +156,40 @@ class StagedFile:
         self.failed_write = exc.errno or 5
         log.error("staging %s failed (%s); it will not be committed", self.key, exc.strerror)
 
-    def commit(self, upload: Callable[[str, str], None]) -> None:
-        """Upload the staged bytes if the remote lacks them; raises the upload's error."""
+    def _end_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.abort()
+            self.stream = None
+
+    def commit(self, upload: Callable[[str, str, str | None], str | None],
+               key: str | None = None, conditional: bool = True) -> str | None:
+        """Upload the staged bytes if the remote lacks them; raises the upload's error, and
+        PreconditionFailed when the remote object is no longer the one the writer started from.
+        ``key`` commits elsewhere (a conflict copy). Answers the new version if known."""
         with self.lock:
             if not self.dirty or self.unlinked:
-                return
+                return None
             if self.failed_write:
                 raise OSError(self.failed_write, f"a write to {self.key} failed; not committed")
             self._ensure_seeded()
-            upload(self.path, self.key)
+            expect = (self.expected if conditional else None) if key is None else ABSENT
+            stream, self.stream = self.stream, None  # one stream per staged file: later commits upload whole
+            done, version = False, None
+            if stream is not None:
+                if key is None and conditional:
+                    done, version = stream.finish(os.fstat(self.fd).st_size)
+                else:
+                    stream.abort()
+            if not done:
+                version = upload(self.path, key or self.key, expect)
             self.dirty = False
             self._drop_journal()
+            return version
 
     def discard(self) -> None:
         """Drop the staging file, unless it holds uncommitted bytes: those are kept on disk."""
         with self.lock:
+            self._end_stream()
             os.close(self.fd)
             if self.dirty and not self.unlinked and not self.failed_write:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it

@@ -270,7 +270,7 @@ def test_staged_lazy_seed(tmp_path: Path) -> None:
 def test_staged_commit_once_and_discard(tmp_path: Path) -> None:
     uploads: list[tuple[str, str, bytes]] = []
 
-    def upload(local: str, key: str) -> None:
+    def upload(local: str, key: str, expect: str | None = None) -> None:
         uploads.append((local, key, Path(local).read_bytes()))
 
     staged = StagedFile(tmp_path / "st", "dir/k", seed=Seeder(b"old"), base_size=3)
@@ -291,7 +291,7 @@ def test_staged_discard_keeps_only_dirty_bytes(tmp_path: Path) -> None:
     assert kept.kept and Path(kept.path).read_bytes() == b"precious"
     gone = StagedFile(tmp_path / "st", "k2", seed=None, dirty=True)
     gone.unlinked = True  # an unlinked file is never uploaded and leaves nothing behind
-    gone.commit(lambda local, key: pytest.fail("uploaded an unlinked file"))
+    gone.commit(lambda local, key, expect=None: pytest.fail("uploaded an unlinked file"))
     gone.discard()
     assert not os.path.exists(gone.path)
 
@@ -525,7 +525,7 @@ def test_fs_read_only(remote: Remote, tmp_path: Path) -> None:
 
 def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_upload(local_path: str, key: str) -> None:
+    def failing_upload(local_path: str, key: str, expect: str | None = None) -> None:
         raise OSError(errno.EIO, "injected upload failure")
 
     monkeypatch.setattr(remote, "upload", failing_upload)

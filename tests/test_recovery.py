@@ -80,7 +80,7 @@ def test_replay_leaves_other_remotes_and_failed_uploads(tmp_path: Path, remote: 
     stage(tmp_path, other, "x", b"not ours", base=None)
     stage(tmp_path, remote, "y", b"ours", base=None)
 
-    def broken(local: str, key: str) -> None:
+    def broken(local: str, key: str, expect: str | None = None) -> None:
         raise OSError(5, "injected")
 
     monkeypatch.setattr(remote, "upload", broken)

@@ -1,0 +1,353 @@
+"""Commits to object stores: conditional uploads, sent in parts while the file is written.
+
+A staged file is always complete on the local disk (that is what makes a failed commit
+recoverable). On S3 and GCS its parts also leave while the writer is still writing, so ``close``
+of a big sequential write only waits for the tail:
+
+- S3: a multipart upload. Parts are fixed ranges of ``part_size``; any part may be sent again,
+  so a write that patches bytes already sent (zip writers seek back to fix headers) only marks
+  that part for resending. CompleteMultipartUpload carries ``If-Match``/``If-None-Match``.
+- GCS: a resumable upload. Chunks must go in order and cannot be changed once sent, so a write
+  behind what was sent ends the stream; the file is then uploaded whole at commit.
+  ``ifGenerationMatch`` is set when the session starts and checked by GCS when it completes.
+
+The part streamer only ever reads parts from the staging file: the file is the truth, the
+stream is an optimisation that may give up at any time without losing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from marinfs.errors import PreconditionFailed
+
+log = logging.getLogger(__name__)
+
+ABSENT = "-"  # an expected version meaning "the key must not exist yet"
+S3_MAX_PARTS = 10_000
+GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
+
+
+class PartSession(Protocol):
+    """One multipart (S3) or resumable (GCS) upload of a single object."""
+
+    part_size: int
+    ordered: bool  # parts go one at a time, in order, never resent (GCS)
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None: ...
+
+    def complete(self, parts: int, total: int) -> str | None: ...
+
+    def abort(self) -> None: ...
+
+
+Runner = Callable[[str, Callable[..., Any]], Any]  # (kind, fn) -> fn() with retries and counting
+Counter = Callable[[int], None]  # bytes sent
+
+
+def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
+    """Run a coroutine on fsspec's event loop from a worker thread."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+class S3Session:
+    ordered = False
+
+    def __init__(self, fs: Any, bucket: str, key: str, expect: str | None, part_size: int,
+                 run: Runner, sent: Counter = lambda n: None) -> None:
+        self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
+        self._sent = sent
+        self.match = _s3_match(expect)
+        self.etags: dict[int, str] = {}
+        self._lock = threading.Lock()
+        out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)))
+        self.upload_id = out["UploadId"]
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None:
+        out = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+            PartNumber=index + 1, Body=data)))
+        with self._lock:
+            self.etags[index] = out["ETag"]
+        self._sent(len(data))
+
+    def complete(self, parts: int, total: int) -> str | None:
+        listed = [{"PartNumber": i + 1, "ETag": self.etags[i]} for i in range(parts)]
+        out = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
+            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+            MultipartUpload={"Parts": listed}, **self.match)))
+        etag = out.get("ETag")
+        return f"e{etag.strip(chr(34))}" if etag else None
+
+    def abort(self) -> None:
+        try:
+            _run(self.fs.loop, self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                                UploadId=self.upload_id), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - best effort: a lifecycle rule reaps the rest
+            log.warning("could not abort the multipart upload of %s: %s", self.key, exc)
+
+
+class GCSSession:
+    ordered = True
+
+    def __init__(self, fs: Any, bucket: str, key: str, expect: str | None, part_size: int,
+                 run: Runner, sent: Counter = lambda n: None) -> None:
+        from urllib.parse import quote
+
+        self.fs, self.key, self._run, self._sent = fs, key, run, sent
+        if part_size % GCS_CHUNK_ALIGN:
+            raise ValueError(f"GCS upload parts must be multiples of 256 KiB, not {part_size}")
+        self.part_size = part_size
+        self.result: dict[str, Any] | None = None
+        self.sent = 0
+        params = _gcs_match(expect)
+
+        async def initiate() -> str:
+            headers, _ = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                                        uploadType="resumable", json={"name": key},
+                                        headers={"X-Upload-Content-Type": "application/octet-stream"},
+                                        **params)
+            loc = headers["Location"]
+            return loc[0] if isinstance(loc, list) else loc
+
+        self.location = run("part", lambda: _run(fs.loop, initiate()))
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None:
+        start = index * self.part_size
+        assert start == self.sent, "resumable chunks go in order"
+        size = "*" if total is None else str(total)
+        rng = f"bytes {start}-{start + len(data) - 1}/{size}" if data else f"bytes */{size}"
+
+        async def put() -> dict[str, Any] | None:
+            headers, text = await self.fs._call("POST", self.location, data=data,
+                                                headers={"Content-Range": rng, "Content-Length": str(len(data))})
+            return _json(text)
+
+        try:
+            out = self._run("part", lambda: _run(self.fs.loop, put()))
+        except FileExistsError:  # gcsfs's translation of 412
+            raise PreconditionFailed(f"gs: {self.key} changed since it was opened") from None
+        self.sent = start + len(data)
+        self._sent(len(data))
+        if total is not None:
+            self.result = out
+
+    def complete(self, parts: int, total: int) -> str | None:
+        if self.result is None:
+            self.send(self.sent // self.part_size, b"", total)  # everything was sent as full chunks
+        generation = (self.result or {}).get("generation")
+        return f"g{generation}" if generation else None
+
+    def abort(self) -> None:
+        async def cancel() -> None:
+            await self.fs._call("DELETE", self.location)
+
+        try:
+            _run(self.fs.loop, cancel(), timeout=60)
+        except Exception:  # noqa: BLE001 - GCS answers 499 to a cancel; expired sessions vanish anyway
+            pass
+
+
+def _json(text: Any) -> dict[str, Any] | None:
+    import json
+
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _s3_match(expect: str | None) -> dict[str, str]:
+    if expect is None:
+        return {}
+    if expect == ABSENT:
+        return {"IfNoneMatch": "*"}
+    if expect.startswith("e"):
+        return {"IfMatch": f'"{expect[1:]}"'}
+    raise ValueError(f"not an S3 version: {expect}")
+
+
+def _gcs_match(expect: str | None) -> dict[str, str]:
+    if expect is None:
+        return {}
+    if expect == ABSENT:
+        return {"ifGenerationMatch": "0"}
+    if expect.startswith("g"):
+        return {"ifGenerationMatch": expect[1:]}
+    raise ValueError(f"not a GCS version: {expect}")
+
+
+class PartStream:
+    """Sends the parts of a staging file while it is being written (see the module docstring).
+
+    ``on_write``/``on_truncate`` are called (under the staged file's lock) after each change to
+    the file; ``finish`` commits, or answers None when the stream gave up or never started and
+    the caller must upload the file whole. Bounded memory: at most ``max_in_flight`` parts are
+    read into memory at once; a writer that outruns the network waits for a slot.
+    """
+
+    def __init__(self, fd: int, open_session: Callable[[], PartSession], part_size: int,
+                 pool: cf.Executor, max_in_flight: int = 4) -> None:
+        self.fd = fd
+        self._open_session = open_session
+        self.part_size = part_size
+        self.pool = pool
+        self.max_in_flight = max(1, max_in_flight)
+        self.session: PartSession | None = None
+        self.next_part = 0  # parts [0, next_part) were dispatched
+        self.seq_end = 0  # bytes [0, seq_end) were written (the writer has been sequential)
+        self.sequential = True
+        self.broken = False  # gave up: commit uploads the whole file
+        self.dirty: set[int] = set()  # dispatched parts written again since
+        self.futures: dict[int, cf.Future[None]] = {}
+
+    @property
+    def started(self) -> bool:
+        return self.session is not None
+
+    def on_write(self, offset: int, length: int) -> None:
+        if self.broken or length <= 0:
+            return
+        end = offset + length
+        first, last = offset // self.part_size, (end - 1) // self.part_size
+        if first < self.next_part:
+            if self.session is not None and self.session.ordered:
+                self._give_up("a write went behind what was already sent")
+                return
+            self.dirty.update(range(first, min(last, self.next_part - 1) + 1))
+        if offset <= self.seq_end:
+            self.seq_end = max(self.seq_end, end)
+        else:
+            self.sequential = False  # a hole: stop sending ahead; commit sends the rest
+        while self.sequential and (self.next_part + 1) * self.part_size <= self.seq_end:
+            if self.next_part + 1 >= S3_MAX_PARTS:
+                self._give_up("too many parts")
+                return
+            if not self._dispatch(self.next_part):
+                return
+            self.next_part += 1
+
+    def on_truncate(self, length: int) -> None:
+        if self.broken:
+            return
+        if length < self.next_part * self.part_size:
+            if self.session is not None and self.session.ordered:
+                self._give_up("truncated below what was already sent")
+                return
+            if length > 0:
+                self.dirty.add((length - 1) // self.part_size)
+        self.seq_end = min(self.seq_end, length) if length < self.seq_end else length
+
+    def _dispatch(self, index: int) -> bool:
+        try:
+            if self.session is None:
+                self.session = self._open_session()
+            self._wait_for_slot()
+        except Exception as exc:  # noqa: BLE001 - the commit will upload the whole file
+            self._give_up(f"could not start the upload ({exc})")
+            return False
+        self.futures[index] = self.pool.submit(self._send, index, None)
+        return True
+
+    def _wait_for_slot(self) -> None:
+        pending = [f for f in self.futures.values() if not f.done()]
+        limit = 1 if self.session is not None and self.session.ordered else self.max_in_flight
+        while len(pending) >= limit:
+            cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            pending = [f for f in pending if not f.done()]
+
+    def _send(self, index: int, total: int | None) -> None:
+        assert self.session is not None
+        start = index * self.part_size
+        size = self.part_size if total is None else max(0, min(self.part_size, total - start))
+        data = os.pread(self.fd, size, start)
+        self.session.send(index, data, total)
+
+    def _give_up(self, why: str) -> None:
+        log.debug("streaming upload stops: %s", why)
+        self.broken = True
+        self._drain()
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.pool.submit(session.abort)
+
+    def _drain(self) -> list[BaseException]:
+        errors = []
+        for f in list(self.futures.values()):
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - collected for the caller
+                errors.append(exc)
+        return errors
+
+    def abort(self) -> None:
+        """The file will not be committed through this stream (unlinked, renamed, discarded)."""
+        if not self.broken:
+            self._give_up("aborted")
+
+    def finish(self, total: int) -> tuple[bool, str | None]:
+        """Commit ``total`` bytes: (True, the new version if known), or (False, None) when the
+        stream gave up or never started and the caller must upload the file whole."""
+        if self.broken or self.session is None:
+            self.abort()
+            return False, None
+        errors = self._drain()
+        session = self.session
+        if errors or total == 0:
+            self.broken = True
+            self.session = None
+            self.pool.submit(session.abort)
+            if errors:
+                raise errors[0]
+            return False, None
+        parts = -(-total // self.part_size)
+        try:
+            if session.ordered:
+                for i in range(self.next_part, parts):
+                    self._send(i, total if i == parts - 1 else None)
+            else:
+                last_full = total % self.part_size == 0
+                needed = [i for i in range(parts)
+                          if i >= self.next_part or i in self.dirty or (i == parts - 1 and not last_full)]
+                self._send_parallel(needed, total)
+            version = session.complete(parts, total)
+        except BaseException:
+            self.broken = True
+            self.session = None
+            self.pool.submit(session.abort)
+            raise
+        self.broken = True  # done: a later commit of this file starts afresh
+        self.session = None
+        return True, version
+
+    def _send_parallel(self, indexes: list[int], total: int) -> None:
+        futures: list[cf.Future[None]] = []
+        for i in indexes:
+            pending = [f for f in futures if not f.done()]
+            while len(pending) >= self.max_in_flight:
+                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                pending = [f for f in pending if not f.done()]
+            futures.append(self.pool.submit(self._send, i, total))
+        for f in futures:
+            f.result()
+
+
+def upload_file(path: str, open_session: Callable[[], PartSession], part_size: int,
+                pool: cf.Executor, max_in_flight: int) -> str | None:
+    """Upload a whole local file through a part session (parts in parallel where allowed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        total = os.fstat(fd).st_size
+        stream = PartStream(fd, open_session, part_size, pool, max_in_flight)
+        stream.session = open_session()
+        return stream.finish(total)[1]
+    finally:
+        os.close(fd)
