@@ -242,7 +242,7 @@ class Filesystem:
         if writable and key not in self._staged:
             # The version a writer starts from decides whether its commit may replace the
             # object: take it from the remote, not from a cache that may be seconds old.
-            self.metadata.invalidate(key)
+            self.metadata.forget(key)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)

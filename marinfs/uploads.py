@@ -242,8 +242,8 @@ class PartStream:
             if self.session is not None and self.session.ordered:
                 self._give_up("truncated below what was already sent")
                 return
-            if length > 0:
-                self.dirty.add((length - 1) // self.part_size)
+            # Every sent part from the new end on holds old bytes: resend those still needed.
+            self.dirty.update(range(length // self.part_size, self.next_part))
         self.seq_end = min(self.seq_end, length) if length < self.seq_end else length
 
     def _dispatch(self, index: int) -> bool:

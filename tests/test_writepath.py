@@ -158,7 +158,7 @@ def test_random_writes_always_commit_the_file_content(tmp_path: Path, pool: Any,
     """Differential: whatever the mix of writes and truncates, what the stream commits is the
     staging file's content, or it hands the commit back to a whole-file upload."""
     rng = random.Random(1234 + ordered)
-    for case in range(150):
+    for case in range(400):
         path = tmp_path / f"s{case}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         session = FakeSession(8, ordered=ordered)
@@ -166,10 +166,10 @@ def test_random_writes_always_commit_the_file_content(tmp_path: Path, pool: Any,
         size = 0
         for _ in range(rng.randint(1, 25)):
             roll = rng.random()
-            if roll < 0.7:  # mostly appends, like real writers
+            if roll < 0.65:  # mostly appends, like real writers
                 off, n = size, rng.randint(1, 20)
-            elif roll < 0.9:
-                off, n = rng.randint(0, size + 5), rng.randint(1, 10)
+            elif roll < 0.85:
+                off, n = rng.randint(0, size + 12), rng.randint(1, 10)  # patches and holes
             else:
                 length = rng.randint(0, size + 4)
                 os.ftruncate(fd, length)
