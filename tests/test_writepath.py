@@ -556,3 +556,20 @@ def test_a_large_zip_written_through_the_mount(request: pytest.FixtureRequest, t
     assert remote == local and len(remote) > 27 * MiB
     with zipfile.ZipFile(io.BytesIO(remote)) as z:
         assert z.testzip() is None and len(z.namelist()) == 3
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_commits_of_odd_names(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
+    """Our own upload requests (not fsspec's) must encode names like fsspec does."""
+    core, client, root = _core(request, backend, tmp_path)
+    names = ["a b.txt", "ünïcødé.json", "x:y=z&w", "100%", "q?#.bin", "plus+sign"]
+    for name in names:
+        for size in (10, 6 * MiB):  # one request, and a multipart/resumable session
+            fh = core.create(f"/{name}", os.O_WRONLY | os.O_CREAT) if size == 10 else \
+                core.open(f"/{name}", os.O_WRONLY | os.O_TRUNC)
+            data = name.encode() * (size // len(name.encode()) + 1)
+            core.write(fh, data[:size], 0)
+            core.flush(fh)
+            core.release(fh)
+            assert client.cat_file(f"{root}/{name}") == data[:size], name
+    assert sorted(os.path.basename(p) for p in client.ls(root, detail=False)) == sorted(names)
