@@ -29,6 +29,7 @@ import fsspec.asyn
 import fsspec.config
 
 from marinfs.config import RemoteSettings
+from marinfs.directget import DirectGet
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.uploads import ABSENT, S3_MAX_PARTS, GCSSession, PartSession, S3Session, upload_file
 
@@ -157,6 +158,21 @@ class Remote:
         self._count_http = _instrument(self.fs, protocol, self.stats)
         self._part_pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._direct = self._direct_get() if protocol in ("s3", "s3a") else None
+
+    def _direct_get(self) -> DirectGet | None:
+        """Ranged GETs on plain threads (see directget.py), unless s3fs adds request options a
+        presigned URL cannot carry (requester pays, SSE-C) or MARINFS_DIRECT_GET=0."""
+        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0" or self.fs.req_kw or self.fs.s3_additional_kwargs:
+            return None
+        config = dict(getattr(self.fs, "config_kwargs", None) or {})
+        verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
+        if verify is None:
+            verify = os.environ.get("AWS_CA_BUNDLE") or True
+        return DirectGet(lambda full, expires: self.fs.url(full, expires=expires),
+                         connect_timeout=float(config.get("connect_timeout", self.settings.connect_timeout)),
+                         read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
+                         verify=verify)
 
     @property
     def part_pool(self) -> cf.ThreadPoolExecutor:
@@ -317,7 +333,9 @@ class Remote:
         if start >= end:
             return b""
         full = self.full(key)
-        if version and self.protocol in ("s3", "s3a") and version.startswith("e"):
+        if self._direct is not None and (not version or version.startswith("e")):
+            data = self._call("get", self._get_direct, full, start, end, version[1:] if version else None)
+        elif version and self.protocol in ("s3", "s3a") and version.startswith("e"):
             data = self._call("get", self._s3_get_if_match, full, start, end, version[1:])
         elif version and self.protocol in ("gs", "gcs") and version.startswith("g"):
             try:
@@ -331,6 +349,11 @@ class Remote:
                 raise StaleVersionError(f"{self.url}/{key} changed while it was read")
         self.stats.add_bytes(bytes_in=len(data))
         return data
+
+    def _get_direct(self, full: str, start: int, end: int, etag: str | None) -> bytes:
+        assert self._direct is not None
+        self.stats.add("get")  # not seen by botocore's hook: count it here
+        return self._direct.get(full, start, end, etag)
 
     def _s3_get_if_match(self, full: str, start: int, end: int, etag: str) -> bytes:
         bucket, key, _ = self.fs.split_path(full)

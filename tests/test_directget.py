@@ -1,0 +1,145 @@
+"""Ranged GETs on plain threads (marinfs/directget.py): every answer a server can give becomes
+the error the rest of marinfs expects, against a tiny HTTP server on loopback; and on SeaweedFS
+the same bytes and version checks as the s3fs path."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from marinfs.directget import DirectGet
+from marinfs.errors import StaleVersionError
+from marinfs.remote import Remote
+
+BODY = bytes(range(256)) * 4
+
+
+class Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers each GET with the next scripted behaviour."""
+
+    script: list[str] = []
+    seen: list[dict[str, str]] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        Scripted.seen.append(dict(self.headers))
+        action = Scripted.script.pop(0) if Scripted.script else "206"
+        rng = self.headers.get("Range", "bytes=0-")[6:].split("-")
+        start, end = int(rng[0]), int(rng[1]) + 1
+        if action == "206":
+            self._send(206, BODY[start:end])
+        elif action == "200":
+            self._send(200, BODY)
+        elif action == "truncated":
+            self.send_response(206)
+            self.send_header("Content-Length", str(end - start))
+            self.end_headers()
+            self.wfile.write(BODY[start:start + 10])
+            self.close_connection = True
+        elif action == "slow":
+            time.sleep(1.5)
+            self._send(206, BODY[start:end])
+        else:
+            self._send(int(action), b"<Error/>")
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    Scripted.script, Scripted.seen = [], []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def getter(base: str, signed: list[str]) -> DirectGet:
+    def presign(full: str, expires: int) -> str:
+        signed.append(full)
+        return f"{base}/{full}?X-Amz-Signature={len(signed)}"
+
+    return DirectGet(presign, connect_timeout=1, read_timeout=0.5)
+
+
+def test_ranges_versions_and_signing(server: str) -> None:
+    signed: list[str] = []
+    g = getter(server, signed)
+    assert g.get("b/k", 10, 20, "abc") == BODY[10:20]
+    assert Scripted.seen[-1]["Range"] == "bytes=10-19" and Scripted.seen[-1]["If-Match"] == '"abc"'
+    assert g.get("b/k", 0, 5, None) == BODY[:5] and "If-Match" not in Scripted.seen[-1]
+    assert signed == ["b/k"]  # one signature serves many reads
+    Scripted.script = ["200"]
+    assert g.get("b/k", 3, 7, None) == BODY[3:7]  # a server that ignores Range
+
+
+@pytest.mark.parametrize("status, error", [("412", StaleVersionError), ("404", FileNotFoundError),
+                                           ("503", ConnectionError), ("500", ConnectionError),
+                                           ("429", ConnectionError), ("400", OSError)])
+def test_statuses_become_the_errors_marinfs_expects(server: str, status: str, error: type) -> None:
+    Scripted.script = [status]
+    with pytest.raises(error):
+        getter(server, []).get("b/k", 0, 10, "v")
+
+
+def test_forbidden_signs_again_once(server: str) -> None:
+    signed: list[str] = []
+    g = getter(server, signed)
+    Scripted.script = ["403"]
+    assert g.get("b/k", 0, 4, None) == BODY[:4] and len(signed) == 2
+    Scripted.script = ["403", "403"]
+    with pytest.raises(PermissionError):
+        g.get("b/k", 0, 4, None)
+
+
+def test_truncated_body_and_timeout_are_transient_errors(server: str) -> None:
+    from marinfs.remote import is_transient
+
+    g = getter(server, [])
+    Scripted.script = ["truncated"]
+    with pytest.raises(ConnectionError) as info:
+        g.get("b/k", 0, 100, None)
+    assert is_transient(info.value)
+    Scripted.script = ["slow"]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as timeout:
+        g.get("b/k", 0, 100, None)
+    assert is_transient(timeout.value) and time.monotonic() - started < 1.4
+    assert g.get("b/k", 0, 100, None) == BODY[:100]  # and the next request is fine
+
+
+def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    direct = Remote(url, s3_server.storage_options())
+    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
+    plain = Remote(url, s3_server.storage_options())
+    assert direct._direct is not None and plain._direct is None
+    data = os.urandom(3 << 20)
+    direct.fs.pipe_file(direct.full("obj"), data)
+    version = direct.stat("obj").version
+    for start, end in ((0, 1), (5, 1 << 20), ((3 << 20) - 7, 3 << 20)):
+        assert direct.read_range("obj", start, end, version) == plain.read_range("obj", start, end, version) \
+            == data[start:end]
+    direct.stats.reset()
+    direct.read_range("obj", 0, 10, version)
+    assert direct.stats.count("get") == 1
+    direct.fs.pipe_file(direct.full("obj"), b"replaced")
+    with pytest.raises(StaleVersionError):
+        direct.read_range("obj", 0, 4, version)
