@@ -33,6 +33,7 @@ test: system-deps venv
 
 bench: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
+	$(VENV)/bin/python benchmarks/write_bench.py
 
 # Install for a node: a private venv under PREFIX/lib/marinfs, the `marinfs` command, the
 # systemd template unit and the mount(8) helper. DESTDIR stages it for packaging.
