@@ -255,6 +255,7 @@ class Env:
     args: argparse.Namespace
     results: Results
     bench_seconds: dict[str, float] = field(default_factory=dict)
+    _poller: Any = None
 
     @property
     def prefix(self) -> str:
@@ -263,11 +264,31 @@ class Env:
     def remote(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
 
-    def new_client(self) -> Any:
-        import s3fs
+    def wipe(self, rel: str) -> None:
+        """Delete every key under ``rel``, directory markers (``rel/``, ``rel/sub/``) included."""
+        bucket, _, prefix = self.remote(rel).partition("/")
+        keys: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            out = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
+            keys += [o["Key"] for o in out.get("Contents", [])]
+            if not out.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": out["NextContinuationToken"]}
+        for i in range(0, len(keys), 1000):
+            self.fs.call_s3("delete_objects", Bucket=bucket,
+                            Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
 
-        return s3fs.S3FileSystem(**self.server.storage_options(), use_listings_cache=False,
-                                 skip_instance_cache=True)
+    @property
+    def poller(self) -> Any:
+        """A second client, already connected (its first call costs ~0.3 s of session setup)."""
+        if self._poller is None:
+            import s3fs
+
+            self._poller = s3fs.S3FileSystem(**self.server.storage_options(), use_listings_cache=False,
+                                             skip_instance_cache=True)
+            self._poller.call_s3("list_objects_v2", Bucket=self.server.bucket, MaxKeys=1)
+        return self._poller
 
 
 # -- mounts --------------------------------------------------------------------------------------
@@ -451,6 +472,9 @@ def prepare(env: Env, workloads: set[str]) -> Data:
     a, fs, d = env.args, env.fs, Data()
     size = a.size_mib * MiB
     t0 = time.monotonic()
+    # The prefix must exist before anything is written: fsspec.fuse answers ENOENT for the root
+    # of an empty prefix, so its mount never looks mounted.
+    fs.pipe_file(env.remote("README"), b"marinfs peers benchmark\n")
     if workloads & {"read", "cp", "random"}:
         d.big = env.tmp / "big.bin"
         write_random(d.big, size, 1)
@@ -596,7 +620,7 @@ def w_write(env: Env, d: Data, tool: str, rep: int) -> None:
     assert d.write_src is not None
     size, rel, R = d.write_src.stat().st_size, f"w-{tool}-{rep}.bin", env.results
     key, rows = env.remote(rel), ["write_close", "write_durable"]
-    poller_fs = env.new_client()
+    poller_fs = env.poller
     try:
         if tool == DIRECT:
             t0 = time.perf_counter()
@@ -628,8 +652,7 @@ def w_write(env: Env, d: Data, tool: str, rep: int) -> None:
     except Failure as exc:
         R.fail(rows, tool, str(exc))
     finally:
-        with suppress(FileNotFoundError):
-            env.fs.rm_file(key)
+        env.wipe(rel)
 
 
 def w_ls(env: Env, d: Data, tool: str, rep: int) -> None:
@@ -710,7 +733,7 @@ def w_tar(env: Env, d: Data, tool: str, rep: int) -> None:
     assert d.tar is not None and d.tar_tree is not None
     R, rows = env.results, ["tar_close", "tar_durable"]
     dest = env.remote("tar")  # the archive's top directory, extracted at the mount's root
-    poller_fs = env.new_client()
+    poller_fs = env.poller
 
     def complete() -> bool:
         found = poller_fs.find(dest, detail=True)
@@ -720,7 +743,8 @@ def w_tar(env: Env, d: Data, tool: str, rep: int) -> None:
     try:
         if tool == DIRECT:
             t0 = time.perf_counter()
-            env.fs.put(str(d.tar_tree / "tar"), dest, recursive=True)
+            names = sorted(d.tar_sizes)
+            env.fs.put([str(d.tar_tree / "tar" / n) for n in names], [f"{dest}/{n}" for n in names])
             secs = time.perf_counter() - t0
             if not complete():
                 raise Failure("fs.put left the tree incomplete")
@@ -739,8 +763,7 @@ def w_tar(env: Env, d: Data, tool: str, rep: int) -> None:
     except Failure as exc:
         R.fail(rows, tool, str(exc))
     finally:
-        with suppress(FileNotFoundError):
-            env.fs.rm(env.remote("tar"), recursive=True)
+        env.wipe("tar")
 
 
 RUNNERS: dict[str, Callable[[Env, Data, str, int], None]] = {
@@ -857,10 +880,26 @@ def render_failures(res: Results) -> str:
     out = []
     for row, tools in res.cells.items():
         for tool, c in tools.items():
-            for reason in sorted(set(c.failures)):
-                out.append(f"- {LABELS[tool]}, {row}: FAIL ({c.failures.count(reason)}×) {reason}")
+            masked = [re.sub(r"\d+", "N", f) for f in c.failures]  # rep numbers in names
+            for m in dict.fromkeys(masked):
+                out.append(f"- {LABELS[tool]}, {row}: FAIL ({masked.count(m)}×) {c.failures[masked.index(m)]}")
             for note in c.notes:
                 out.append(f"- {LABELS[tool]}, {row}: {note}")
+    return "\n".join(out)
+
+
+def render_noise(rows: list[Row], res: Results) -> str:
+    """How far apart the repetitions were: (max - min) / median per row and tool."""
+    out = ["| workload | " + " | ".join(LABELS[t] for t in TOOLS) + " |", "|---|" + "---:|" * len(TOOLS)]
+    for row in rows:
+        if row.key not in res.cells:
+            continue
+        cells = []
+        for t in TOOLS:
+            c = res.cells[row.key].get(t)
+            s = c.summary() if c else None
+            cells.append("—" if not s or len(c.values) < 2 else f"{(s['max'] - s['min']) / s['median']:.0%}")
+        out.append(f"| {row.label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -990,6 +1029,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="marinfs-peers-"))
     shm = Path(tempfile.mkdtemp(prefix="marinfs-peers-", dir="/dev/shm"))
     t_start, server = time.monotonic(), None
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
     res = Results()
     try:
         server = servers.start_seaweedfs(tmp / "server")
@@ -1021,16 +1061,22 @@ def main() -> None:
         checks = check_targets(rows, res)
         print("\n" + table + "\n\n" + render_checks(checks) + "\n\n" + render_failures(res))
         pngs = charts(rows, res, tools_used, a.charts)
+        noise = render_noise(rows, res)
         out = {"config": {"size_mib": a.size_mib, "write_mib": a.size_mib // 2, "randoms": a.randoms,
                           "files": a.files, "stats": a.stats, "tree": a.tree, "reps": a.reps, "only": only},
                "machine": machine(), "versions": versions(server),
                "rows": [r.__dict__ for r in rows], "results": res.to_json(), "targets": checks,
                "table": table, "targets_table": render_checks(checks), "failures": render_failures(res),
+               "spread_table": noise, "loadavg": {"start": load_start, "end": Path("/proc/loadavg").read_text().split()[:3]},
                "charts": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in pngs],
                "seconds": {**env.bench_seconds, "total": elapsed},
                "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
+        a.out.with_suffix(".md").write_text(
+            f"Run finished {out['finished']} in {elapsed:.0f} s; load average at start {' '.join(load_start)}, "
+            f"at end {' '.join(out['loadavg']['end'])}.\n\n{table}\n\n{out['targets_table']}\n\n"
+            f"Spread of the repetitions, (max - min) / median:\n\n{noise}\n\n{out['failures']}\n")
         print(f"\nresults: {a.out}; charts: {', '.join(map(str, pngs))}; {elapsed:.0f} s in all")
     finally:
         if server is not None:
