@@ -775,7 +775,7 @@ RUNNERS: dict[str, Callable[[Env, Data, str, int], None]] = {
 def fmt(v: float, unit: str) -> str:
     if unit == "MiB/s":
         return f"{v:.0f}"
-    return f"{v:.2f}" if v < 10 else f"{v:.1f}"
+    return f"{v:.3f}" if v < 0.1 else f"{v:.2f}" if v < 10 else f"{v:.1f}"
 
 
 def speedup(row: Row, marinfs: float, peer: float) -> float:
@@ -1010,8 +1010,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated TOOL/WORKLOAD globs, or a tool or workload "
                     f"name; tools: {', '.join(TOOLS)}; workloads: {', '.join(WORKLOADS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers_bench.json")
-    ap.add_argument("--charts", type=Path, default=ROOT / "docs" / "img",
-                    help="directory for the PNG charts (docs/img)")
+    ap.add_argument("--charts", type=Path, default=ROOT / "benchmarks" / "results",
+                    help="directory for the PNG charts (benchmarks/results)")
     a = ap.parse_args()
     a.tree_dirs, a.tree_files = map(int, a.tree.split("x"))
     if os.geteuid() != 0:
