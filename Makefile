@@ -34,7 +34,7 @@ test: system-deps venv
 bench: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
 
-# marinfs against rclone mount, s3fs-fuse and fsspec.fuse on one local SeaweedFS (~25 min;
+# marinfs against rclone mount, s3fs-fuse and fsspec.fuse on one local SeaweedFS (18-24 min on 2 cores;
 # docs/benchmarks.md). BENCH_ARGS passes options, e.g. BENCH_ARGS='--size-mib 64 --reps 1'.
 peer-deps:
 	@command -v rclone >/dev/null && command -v s3fs >/dev/null || \
