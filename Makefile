@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test bench install system-deps venv clean
+.PHONY: run test bench bench-peers peer-deps install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -34,6 +34,19 @@ test: system-deps venv
 bench: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
 	$(VENV)/bin/python benchmarks/write_bench.py
+
+# marinfs against rclone mount, s3fs-fuse and fsspec.fuse on one local SeaweedFS (18-24 min on 2 cores;
+# docs/benchmarks.md). BENCH_ARGS passes options, e.g. BENCH_ARGS='--size-mib 64 --reps 1'.
+peer-deps:
+	@command -v rclone >/dev/null && command -v s3fs >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq rclone s3fs; }
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench-peers: system-deps peer-deps venv $(VENV)/.bench-installed
+	$(VENV)/bin/python benchmarks/peers_bench.py $(BENCH_ARGS)
 
 # Install for a node: a private venv under PREFIX/lib/marinfs, the `marinfs` command, the
 # systemd template unit and the mount(8) helper. DESTDIR stages it for packaging.
