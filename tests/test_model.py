@@ -1,0 +1,477 @@
+"""Reference-model tests: hypothesis drives random sequences of POSIX calls at a marinfs mount and,
+call for call, at a plain local directory (the model). After every step the two must agree on
+contents, sizes, listings and errno values. Where docs/semantics.md documents a difference from
+a local disk, the test asserts that difference instead of skipping the case.
+
+Open file descriptors are part of the state (open, write, read, truncate, fsync and close happen
+in separate steps), so close-to-commit and several handles on one file are exercised; so are
+unmount + remount over the same cache directory and, on daemons in their own process, SIGKILL
+with files open followed by a new daemon (recovery).
+
+Budget: ``MARINFS_MODEL_EXAMPLES`` sequences of up to ``MARINFS_MODEL_STEPS`` steps per backend
+in ``MARINFS_MODEL_BACKENDS`` (CI: local and s3, a bounded budget, derandomized so a run is
+reproducible); ``make soak`` sets them high, on every backend, with random seeds. Each run prints
+how many examples and steps it ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import stat
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+from conftest import object_store
+from mounting import force_unmount, fsspec_client, inprocess_mount, subprocess_mount
+
+KiB = 1 << 10
+CHUNK = 64 * KiB  # the smallest chunk size: files of a few hundred KiB span several chunks
+EXAMPLES = int(os.environ.get("MARINFS_MODEL_EXAMPLES", "12"))
+STEPS = int(os.environ.get("MARINFS_MODEL_STEPS", "40"))
+BACKENDS = os.environ.get("MARINFS_MODEL_BACKENDS", "local,s3").split(",")
+RANDOM = os.environ.get("MARINFS_MODEL_RANDOM", "") not in ("", "0")  # soak: fresh seeds each run
+REMOUNT_EVERY = 8  # at most one remount or crash per this many steps: each costs a daemon start
+
+NAMES = ("a", "b", "c")  # few names: collisions make the interesting errnos
+FLAGS = {
+    "r": os.O_RDONLY,
+    "w+trunc": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "rw+creat": os.O_RDWR | os.O_CREAT,
+    "rw": os.O_RDWR,
+    "append": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "excl": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+    "rw+trunc": os.O_RDWR | os.O_TRUNC,
+}
+
+names = st.sampled_from(NAMES)
+# Mostly shallow paths, so operations meet existing entries more often than ENOENT.
+paths = st.one_of(names, names, st.lists(names, min_size=2, max_size=2).map("/".join),
+                  st.lists(names, min_size=3, max_size=3).map("/".join))
+offsets = st.one_of(st.integers(0, 16), st.sampled_from([CHUNK - 1, CHUNK, 2 * CHUNK + 5]),
+                    st.integers(0, 3 * CHUNK))
+lengths = st.one_of(st.integers(0, 16), st.sampled_from([4096, CHUNK, CHUNK + 1]), st.integers(0, 3 * CHUNK))
+blobs = st.builds(lambda seed, n: random.Random(seed).randbytes(n), st.integers(0, 1 << 30),
+                  st.one_of(st.integers(0, 64), st.sampled_from([4096, CHUNK + 3]), st.integers(0, 2 * CHUNK)))
+fd_slots = st.integers(0, 7)
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """('ok', value) or ('err', errno name): what a syscall did, comparable across filesystems."""
+    try:
+        return ("ok", fn())
+    except OSError as exc:
+        return ("err", errno.errorcode.get(exc.errno or 0, str(exc.errno)))
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Every entry below ``root``: directories as 'dir', files as (size, bytes). Raises on any error,
+    unlike os.walk, which would hide one."""
+    out: dict[str, Any] = {}
+
+    def walk(rel: str) -> None:
+        base = root / rel if rel else root
+        for entry in sorted(os.listdir(base)):
+            name = f"{rel}/{entry}" if rel else entry
+            st_ = os.stat(root / name)
+            if os.path.isdir(root / name):
+                out[name] = "dir"
+                walk(name)
+            else:
+                data = (root / name).read_bytes()
+                out[name] = (st_.st_size, data)
+
+    walk("")
+    return out
+
+
+def describe(tree: dict[str, Any]) -> dict[str, Any]:
+    """A readable form of a snapshot for assertion messages (sizes and a digest, not bytes)."""
+    import hashlib
+
+    return {k: v if v == "dir" else (v[0], hashlib.sha1(v[1]).hexdigest()[:8]) for k, v in tree.items()}
+
+
+# -- the mount under test ----------------------------------------------------------------------
+@dataclass
+class Target:
+    """One mount that the state machine may unmount, remount or kill; always torn down."""
+
+    backend: str
+    url: str
+    mnt: Path
+    cache: Path
+    env: dict[str, str]
+    _stack: contextlib.ExitStack | None = None
+    pid: int | None = None
+    mounts: int = 0
+    crashes: int = 0
+
+    @property
+    def killable(self) -> bool:
+        return self.backend != "memory"  # memory:// lives in this process: no daemon to kill
+
+    def mount(self) -> None:
+        assert self._stack is None
+        stack = contextlib.ExitStack()
+        try:
+            if self.backend == "memory":
+                stack.enter_context(inprocess_mount(self.url, self.mnt, self.cache, chunk_size=CHUNK,
+                                                    cache_size=64 << 20))
+                self.pid = None
+            else:
+                self.pid = stack.enter_context(subprocess_mount(
+                    self.url, self.mnt, self.cache, "--chunk-size", str(CHUNK), "--cache-size", "64M",
+                    "--cache-min-free", "0", env=self.env))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        self.mounts += 1
+
+    def unmount(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def kill(self) -> None:
+        """SIGKILL the daemon: no flush, no drain, no unmount."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{self.pid}").exists():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.02)
+        self.crashes += 1
+
+
+@pytest.fixture(params=BACKENDS)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    backend = request.param
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    env: dict[str, str] = {}
+    if backend == "local":
+        (tmp_path / "remote").mkdir()
+        url = str(tmp_path / "remote")
+    elif backend == "memory":
+        url = f"memory://model-{uuid.uuid4().hex[:12]}"
+        fs, root = fsspec_client(url)
+        fs.mkdir(root)
+    else:
+        url, _, env = object_store(request, backend)
+    t = Target(backend, url, mnt, cache, env)
+    t.mount()
+    try:
+        yield t
+    finally:
+        try:
+            t.unmount()
+        finally:  # even when a timeout interrupted the unmount itself
+            force_unmount(mnt)
+            if t.pid is not None and daemon_of(t.pid, mnt):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(t.pid, signal.SIGKILL)
+
+
+def daemon_of(pid: int, mnt: Path) -> bool:
+    """Whether ``pid`` still is the marinfs daemon we started for ``mnt`` (not a reused PID)."""
+    try:
+        return str(mnt).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+# -- the state machine -------------------------------------------------------------------------
+@dataclass
+class OpenFile:
+    path: str  # where it was opened (files may be renamed or unlinked while open)
+    flags: int
+    model: int  # the descriptor on the model
+    mount: int  # the descriptor on the mount
+    # Bytes the file had at open: a read-only handle may keep serving the version it opened
+    # (docs/semantics.md: "no mixed versions") once the file changed under it.
+    opened: bytes | None = None
+    history: list[bytes] = field(default_factory=list)
+
+    @property
+    def writable(self) -> bool:
+        return self.flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+class Counters:
+    examples = 0
+    steps = 0
+    remounts = 0
+    crashes = 0
+    errnos: dict[str, int] = {}
+
+
+def make_machine(target: Target, model_base: Path, counters: Counters) -> type[RuleBasedStateMachine]:
+    class MountVersusModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.files: list[OpenFile] = []
+            self.since_remount = 0
+            self.root = ""
+
+        # -- helpers -------------------------------------------------------------------------
+        @property
+        def m(self) -> Path:
+            return model_base / self.root
+
+        @property
+        def t(self) -> Path:
+            return target.mnt / self.root
+
+        def both(self, op: Callable[[Path], Any]) -> tuple[tuple[str, Any], tuple[str, Any]]:
+            return outcome(lambda: op(self.m)), outcome(lambda: op(self.t))
+
+        def agree(self, what: str, model: tuple[str, Any], mount: tuple[str, Any]) -> None:
+            if model[0] == "err":
+                counters.errnos[model[1]] = counters.errnos.get(model[1], 0) + 1
+            assert mount == model, f"{what}: model {model}, mount {mount}"
+
+        def pick(self, slot: int) -> OpenFile | None:
+            return self.files[slot % len(self.files)] if self.files else None
+
+        def current_bytes(self, f: OpenFile) -> bytes:
+            """What the model's file (the inode the descriptor refers to) holds now."""
+            size = os.fstat(f.model).st_size
+            return os.pread(f.model, size, 0) if size else b""
+
+        def note_change(self) -> None:
+            """Record what each read-only descriptor's file holds now: the versions it may serve."""
+            for f in self.files:
+                if not f.writable and f.opened is not None:
+                    now = self.read_model_inode(f)
+                    if now is not None and (not f.history or f.history[-1] != now):
+                        f.history.append(now)
+
+        def read_model_inode(self, f: OpenFile) -> bytes | None:
+            try:
+                fd = os.open(f"/proc/self/fd/{f.model}", os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    return None
+                size = os.fstat(fd).st_size
+                return os.pread(fd, size, 0) if size else b""
+            finally:
+                os.close(fd)
+
+        # -- setup ---------------------------------------------------------------------------
+        @initialize()
+        def fresh_root(self) -> None:
+            counters.examples += 1
+            self.root = f"ex-{uuid.uuid4().hex[:8]}"
+            os.mkdir(self.m)
+            os.mkdir(self.t)
+
+        def teardown(self) -> None:
+            for f in self.files:
+                with contextlib.suppress(OSError):
+                    os.close(f.model)
+                with contextlib.suppress(OSError):
+                    os.close(f.mount)
+            self.files.clear()
+
+        # -- descriptors ---------------------------------------------------------------------
+        @rule(path=paths, how=st.sampled_from(sorted(FLAGS)))
+        def open(self, path: str, how: str) -> None:
+            flags = FLAGS[how]
+            model, mount = self.both(lambda root: os.open(root / path, flags, 0o644))
+            if model[0] == "ok" and mount[0] == "ok":
+                f = OpenFile(path, flags, model[1], mount[1])
+                if not f.writable:
+                    f.opened = self.read_model_inode(f)
+                    f.history = [f.opened] if f.opened is not None else []
+                self.files.append(f)
+                self.note_change()
+                return
+            for side in (model, mount):  # one side opened, the other did not: close it again
+                if side[0] == "ok":
+                    os.close(side[1])
+            self.agree(f"open({path!r}, {how})", model, mount)
+
+        @precondition(lambda self: self.files)
+        @rule(slot=fd_slots, data=blobs, offset=offsets)
+        def write(self, slot: int, data: bytes, offset: int) -> None:
+            f = self.pick(slot)
+            assert f is not None
+            if f.flags & os.O_APPEND:
+                model = outcome(lambda: os.write(f.model, data))
+                mount = outcome(lambda: os.write(f.mount, data))
+            else:
+                model = outcome(lambda: os.pwrite(f.model, data, offset))
+                mount = outcome(lambda: os.pwrite(f.mount, data, offset))
+            self.agree(f"write {len(data)} bytes at {offset} to {f.path!r}", model, mount)
+            self.note_change()
+
+        @precondition(lambda self: self.files)
+        @rule(slot=fd_slots, offset=offsets, size=lengths)
+        def read(self, slot: int, offset: int, size: int) -> None:
+            f = self.pick(slot)
+            assert f is not None
+            model = outcome(lambda: os.pread(f.model, size, offset))
+            mount = outcome(lambda: os.pread(f.mount, size, offset))
+            if mount != model and not f.writable and model[0] == "ok":
+                # Documented: once its file changed, a read-only handle fails with ESTALE or
+                # keeps serving one version it saw, never a mix (docs/semantics.md, Reading).
+                if mount == ("err", "ESTALE") and len(f.history) > 1:
+                    return
+                if mount[0] == "ok" and any(mount[1] == v[offset:offset + size] for v in f.history):
+                    return
+            self.agree(f"pread({size}, {offset}) of {f.path!r} ({'rw' if f.writable else 'ro'})", model, mount)
+
+        @precondition(lambda self: self.files)
+        @rule(slot=fd_slots, length=lengths)
+        def ftruncate(self, slot: int, length: int) -> None:
+            f = self.pick(slot)
+            assert f is not None
+            model = outcome(lambda: os.ftruncate(f.model, length))
+            mount = outcome(lambda: os.ftruncate(f.mount, length))
+            self.agree(f"ftruncate({f.path!r}, {length})", model, mount)
+            self.note_change()
+
+        @precondition(lambda self: self.files)
+        @rule(slot=fd_slots)
+        def fsync(self, slot: int) -> None:
+            f = self.pick(slot)
+            assert f is not None
+            model = outcome(lambda: os.fsync(f.model))
+            mount = outcome(lambda: os.fsync(f.mount))
+            self.agree(f"fsync({f.path!r})", model, mount)
+
+        @precondition(lambda self: self.files)
+        @rule(slot=fd_slots)
+        def close(self, slot: int) -> None:
+            f = self.pick(slot)
+            assert f is not None
+            self.files.remove(f)
+            model = outcome(lambda: os.close(f.model))
+            mount = outcome(lambda: os.close(f.mount))  # close commits: it must report success
+            self.agree(f"close({f.path!r})", model, mount)
+
+        # -- paths ---------------------------------------------------------------------------
+        @rule(path=paths, length=lengths)
+        def truncate(self, path: str, length: int) -> None:
+            model, mount = self.both(lambda root: os.truncate(root / path, length))
+            self.agree(f"truncate({path!r}, {length})", model, mount)
+            self.note_change()
+
+        @rule(path=paths)
+        def mkdir(self, path: str) -> None:
+            model, mount = self.both(lambda root: os.mkdir(root / path))
+            self.agree(f"mkdir({path!r})", model, mount)
+
+        @rule(path=paths)
+        def rmdir(self, path: str) -> None:
+            model, mount = self.both(lambda root: os.rmdir(root / path))
+            self.agree(f"rmdir({path!r})", model, mount)
+
+        @rule(path=paths)
+        def unlink(self, path: str) -> None:
+            model, mount = self.both(lambda root: os.unlink(root / path))
+            self.agree(f"unlink({path!r})", model, mount)
+            self.note_change()
+
+        @rule(src=paths, dst=paths)
+        def rename(self, src: str, dst: str) -> None:
+            model, mount = self.both(lambda root: os.rename(root / src, root / dst))
+            self.agree(f"rename({src!r}, {dst!r})", model, mount)
+            self.note_change()
+
+        @rule(path=paths)
+        def stat(self, path: str) -> None:
+            def kind_and_size(root: Path) -> tuple[str, int]:
+                s = os.stat(root / path)
+                return ("dir", 0) if os.path.isdir(root / path) else ("file", s.st_size)
+
+            model, mount = self.both(kind_and_size)
+            self.agree(f"stat({path!r})", model, mount)
+
+        @rule(path=st.one_of(st.just(""), paths))
+        def listdir(self, path: str) -> None:
+            model, mount = self.both(lambda root: sorted(os.listdir(root / path)))
+            self.agree(f"listdir({path!r})", model, mount)
+
+        # -- the daemon ----------------------------------------------------------------------
+        @precondition(lambda self: self.since_remount >= REMOUNT_EVERY)
+        @rule()
+        def remount(self) -> None:
+            """Close everything, unmount, mount again over the same cache directory."""
+            for f in list(self.files):
+                self.close(self.files.index(f))
+            target.unmount()
+            target.mount()
+            self.since_remount = 0
+            counters.remounts += 1
+
+        @precondition(lambda self: target.killable and self.since_remount >= REMOUNT_EVERY)
+        @rule()
+        def crash(self) -> None:
+            """SIGKILL the daemon with files open; a new daemon commits what they held
+            (docs/semantics.md, Durability: "as they stood")."""
+            target.kill()
+            for f in self.files:
+                os.close(f.model)
+                with contextlib.suppress(OSError):
+                    os.close(f.mount)  # the dead mount answers ENOTCONN
+            self.files.clear()
+            target.unmount()
+            target.mount()
+            self.since_remount = 0
+            counters.crashes += 1
+
+        # -- after every step ----------------------------------------------------------------
+        @invariant()
+        def same_tree(self) -> None:
+            if not self.root:
+                return
+            counters.steps += 1
+            self.since_remount += 1
+            model = snapshot(self.m)
+            mount = snapshot(self.t)
+            if mount != model:
+                assert describe(mount) == describe(model), "tree differs"
+                assert mount == model, "tree differs"
+
+    return MountVersusModel
+
+
+def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    model_base = tmp_path / "model"
+    model_base.mkdir()
+    counters = Counters()
+    counters.errnos = {}
+    machine = make_machine(target, model_base, counters)
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if RANDOM else [])
+    started = time.monotonic()
+    try:
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
+            derandomize=not RANDOM, phases=phases, suppress_health_check=list(HealthCheck),
+            print_blob=True))
+    finally:
+        with capsys.disabled():
+            print(f"\nmodel[{target.backend}]: {counters.examples} examples, {counters.steps} steps, "
+                  f"{target.mounts - 1} remounts ({target.crashes} after SIGKILL), "
+                  f"errnos compared {dict(sorted(counters.errnos.items()))}, "
+                  f"{time.monotonic() - started:.1f} s")
