@@ -237,6 +237,16 @@ class Filesystem:
             self._kernel_versions[key] = None if writable else info.version
         return self._new_handle(handle)
 
+    def handle_info(self, fh: int) -> ObjectInfo:
+        """An open file's attributes by its handle: it may have no name any more (unlinked)."""
+        handle = self._handle(fh)
+        staged = handle.staged
+        if staged is not None:
+            return ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+        if handle.info is None:
+            raise FsError(errno.EBADF)
+        return handle.info
+
     def keeps_kernel_cache(self, fh: int) -> bool:
         """Whether the kernel may keep the pages it cached for this file (version unchanged)."""
         return self._handle(fh).keep_kernel_cache

@@ -475,3 +475,30 @@ def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
                   f"{target.mounts - 1} remounts ({target.crashes} after SIGKILL), "
                   f"errnos compared {dict(sorted(counters.errnos.items()))}, "
                   f"{time.monotonic() - started:.1f} s")
+
+
+# -- sequences the state machine found, replayed as plain tests on every backend ------------------
+def remote_names(mounted: Any) -> list[str]:
+    """Every object below the prefix, as another client sees them."""
+    try:
+        found = mounted.fs.find(mounted.root, withdirs=True)
+    except FileNotFoundError:
+        return []
+    return sorted(p[len(mounted.root) + 1:] for p in found if p.rstrip("/") != mounted.root)
+
+
+def test_unlinking_an_open_file_leaves_no_hidden_file(mounted: Any) -> None:
+    """open(O_APPEND|O_CREAT); unlink; -> the mount listed (and uploaded) a .fuse_hidden* file:
+    libfuse renames an open file on unlink unless told hard_remove."""
+    fd = os.open(mounted.mnt / "a", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"before")
+        os.unlink(mounted.mnt / "a")
+        assert os.listdir(mounted.mnt) == []
+        os.write(fd, b" after")  # an unlinked file stays usable through its descriptor
+        assert os.pread(fd, 100, 0) == b"before after"
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.listdir(mounted.mnt) == []
+    assert remote_names(mounted) == []
