@@ -370,8 +370,8 @@ class Filesystem:
             raise FsError(errno.EISDIR, key)
         with self._lock:
             staged = self._staged.pop(key, None)
-            if staged is not None:
-                staged.unlinked = True  # open handles keep working; nothing is committed
+        if staged is not None:  # (its lock waits for a commit in flight: never under ours)
+            staged.mark_unlinked()  # open handles keep working; nothing is committed
         try:
             self.remote.delete(key)
         except FileNotFoundError:
@@ -445,13 +445,13 @@ class Filesystem:
         A replaced target that is still open becomes nameless, as on a local disk."""
         with self._lock:
             replaced = self._staged.pop(dst, None)
-            if replaced is not None:
-                replaced.unlinked = True
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
             for k in moving:
                 staged = self._staged.pop(k)
                 staged.rekey(dst + k[len(src):])
                 self._staged[staged.key] = staged
+        if replaced is not None:
+            replaced.mark_unlinked()
 
     def _rename_file(self, src: str, dst: str) -> None:
         staged = self._staged.get(src)

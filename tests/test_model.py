@@ -502,3 +502,40 @@ def test_unlinking_an_open_file_leaves_no_hidden_file(mounted: Any) -> None:
         os.close(fd)
     assert os.listdir(mounted.mnt) == []
     assert remote_names(mounted) == []
+
+
+def store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> tuple[str, dict[str, str], Any, str]:
+    """(URL of a fresh prefix, the daemon's environment, a direct client, its root path)."""
+    if backend == "local":
+        (tmp_path / "remote").mkdir()
+        url, env = str(tmp_path / "remote"), {}
+        client, root = fsspec_client(url)
+    else:
+        url, options, env = object_store(request, backend)
+        client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    return url, env, client, root
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
+        request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
+    """open; write; unlink; SIGKILL -> the next daemon committed the unlinked file again: its
+    journal outlived the name."""
+    url, env, client, root = store(request, backend, tmp_path)
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    with subprocess_mount(url, mnt, cache, env=env) as pid:
+        gone = os.open(mnt / "gone", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(gone, b"unlinked while open")
+        os.unlink(mnt / "gone")
+        replaced = os.open(mnt / "replaced", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(replaced, b"replaced while open")
+        (mnt / "new").write_bytes(b"the new file")
+        os.rename(mnt / "new", mnt / "replaced")
+        os.kill(pid, signal.SIGKILL)
+        for fd in (gone, replaced):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    with subprocess_mount(url, mnt, cache, env=env):
+        assert sorted(os.listdir(mnt)) == ["replaced"]
+        assert (mnt / "replaced").read_bytes() == b"the new file"
+    assert not list((cache / "staging").glob("*.journal.json"))
