@@ -322,6 +322,9 @@ class Filesystem:
             info = self.remote.stat(staged.key)
         except FileNotFoundError:
             return  # unlinked or renamed meanwhile by someone else
+        # Bytes written from now on build on the version we just committed: a recovery after a
+        # crash must compare against it, not against the version the writer opened.
+        staged.base_version = info.version
         # The kernel may still hold the writer's mtime for a moment: keep showing it for the
         # version we wrote, so tools that compare stats (tar) do not see a change that was not.
         if info.version:

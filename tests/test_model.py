@@ -539,3 +539,25 @@ def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
         assert sorted(os.listdir(mnt)) == ["replaced"]
         assert (mnt / "replaced").read_bytes() == b"the new file"
     assert not list((cache / "staging").glob("*.journal.json"))
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_bytes_written_after_an_fsync_are_recovered_in_place_after_a_crash(
+        request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
+    """write; fsync; write; SIGKILL -> the next daemon saw the object at the version the fsync
+    made, not the one the writer opened, called it a conflict and set the bytes aside."""
+    url, env, client, root = store(request, backend, tmp_path)
+    client.pipe_file(f"{root}/log", b"v1")
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    with subprocess_mount(url, mnt, cache, env=env) as pid:
+        fd = os.open(mnt / "log", os.O_WRONLY | os.O_APPEND)
+        os.write(fd, b" fsynced")
+        os.fsync(fd)
+        assert bytes(client.cat_file(f"{root}/log")) == b"v1 fsynced"
+        os.write(fd, b" then written")
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with subprocess_mount(url, mnt, cache, env=env):
+        assert os.listdir(mnt) == ["log"]
+        assert (mnt / "log").read_bytes() == b"v1 fsynced then written"
