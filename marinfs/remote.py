@@ -443,8 +443,8 @@ _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                        NotADirectoryError, UsageError)):
-        return False
+                        NotADirectoryError, UsageError, StaleVersionError)):
+        return False  # (a StaleVersionError carries the store's 412 in its context: an answer)
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     for cls in type(exc).__mro__:

@@ -28,7 +28,9 @@ import pytest
 
 from faults import FaultPlan, FaultyFS, HttpFaultProxy
 from marinfs.config import RemoteSettings
+from marinfs.errors import StaleVersionError
 from marinfs.recovery import recover
+from marinfs.remote import Remote
 from marinfs.writer import JOURNAL_SUFFIX
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
 
@@ -262,6 +264,43 @@ def test_stale_version_under_an_open_handle_is_estale_at_once(faulty: Faulty) ->
         assert faulty.plan.calls["get"] - gets < 6  # an answer: not retried (a chunk or 3 ahead)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_changed_object_is_stale_at_once_on_object_stores(request: pytest.FixtureRequest, backend: str) -> None:
+    """If-Match (S3) and generation= (GCS) answer 'changed': an answer, not a failure to retry."""
+    from conftest import object_store
+
+    url, options, _ = object_store(request, backend)
+    remote = Remote(url, options, RemoteSettings(attempts=4, backoff_base=0.2, backoff_max=1))
+    remote.fs.pipe_file(remote.full("o"), b"one")
+    first = remote.stat("o").version
+    remote.fs.pipe_file(remote.full("o"), b"two")
+    assert remote.stat("o").version != first
+    remote.stats.reset()
+    started = time.monotonic()
+    with pytest.raises(StaleVersionError):
+        remote.read_range("o", 0, 3, first)
+    assert remote.stats.count("get") == 1 and time.monotonic() - started < 1
+
+
+def test_a_handle_on_s3_moves_to_a_new_version_or_is_estale_never_eio(s3_server: Any, tmp_path: Path) -> None:
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    client, root = fsspec_client(url, {**s3_server.storage_options(), "use_listings_cache": False})
+    old, new = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    client.pipe_file(f"{root}/f", old)
+    with inprocess_mount(url, tmp_path / "mnt", tmp_path / "cache", storage_options=s3_server.storage_options(),
+                         chunk_size=MiB):
+        fd = os.open(tmp_path / "mnt/f", os.O_RDONLY | os.O_DIRECT)  # no kernel readahead
+        try:
+            client.pipe_file(f"{root}/f", new)
+            assert os.pread(fd, 4096, 0) == new[:4096]  # nothing served yet: it opens the new one
+            client.pipe_file(f"{root}/f", old)
+            started = time.monotonic()
+            assert errno_of(lambda: os.pread(fd, 4096, 3 * MiB)) == errno.ESTALE
+            assert time.monotonic() - started < 1  # at once, not after every retry
+        finally:
+            os.close(fd)
 
 
 # -- the chunk cache and the clock ------------------------------------------------------------------
