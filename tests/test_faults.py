@@ -322,6 +322,26 @@ def test_wall_clock_jumps_do_not_move_ttls_or_lose_writes(faulty: Faulty, monkey
     monkeypatch.undo()
 
 
+def test_conflict_copies_never_overwrite_each_other(tmp_path: Path) -> None:
+    """Two kept commits of one key that both clash are committed in the same second (a clock
+    jump back makes that likelier): each must keep its own bytes."""
+    from marinfs.writer import StagedFile
+
+    remote = Remote(f"memory://conflicts-{uuid.uuid4().hex[:8]}")
+    remote.fs.mkdir(remote.root)
+    remote.fs.pipe_file(remote.full("k"), b"base")
+    base = remote.stat("k").version
+    for data in (b"first kept commit", b"second kept commit"):
+        StagedFile(tmp_path / "staging", "k", seed=None, remote_url=remote.url, base_version=base).write(data, 0)
+    time.sleep(0.01)
+    remote.fs.pipe_file(remote.full("k"), b"someone else's")
+    results = recover(tmp_path / "staging", remote)
+    assert all(r.conflict for r in results) and len({r.committed_as for r in results}) == 2
+    kept = {bytes(remote.fs.cat_file(remote.full(r.committed_as))) for r in results}
+    assert kept == {b"first kept commit", b"second kept commit"}
+    assert remote.fs.cat_file(remote.full("k")) == b"someone else's"
+
+
 # -- process level: real servers ------------------------------------------------------------------
 @dataclass
 class ProxiedS3:
