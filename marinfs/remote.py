@@ -299,17 +299,24 @@ class Remote:
         if start >= end:
             return b""
         full = self.full(key)
+        # A version fixes the size, and callers ask only within it: fewer bytes than asked is a
+        # response cut short, retried like any transient failure, never handed on.
+        want = end - start if version else None
         if version and self.protocol in ("s3", "s3a") and version.startswith("e"):
-            data = self._call("get", self._s3_get_if_match, full, start, end, version[1:])
+            data = self._call("get", _exactly(want, self._s3_get_if_match), full, start, end, version[1:])
         elif version and self.protocol in ("gs", "gcs") and version.startswith("g"):
             try:
-                data = self._call("get", fsspec.asyn.sync, self.fs.loop, self.fs._cat_file_sequential,
-                                  full, start=start, end=end, generation=version[1:])
+                data = self._call("get", _exactly(want, fsspec.asyn.sync), self.fs.loop,
+                                  self.fs._cat_file_sequential, full, start=start, end=end,
+                                  generation=version[1:])
             except FileNotFoundError:
                 raise StaleVersionError(f"{self.url}: {key} is no longer generation {version[1:]}") from None
         else:
-            data = self._call("get", self.fs.cat_file, full, start=start, end=end)
-            if version and self.stat(key).version != version:
+            def changed() -> bool:  # a shorter object is a new version, not a cut-short response
+                return bool(version) and self.stat(key).version != version
+
+            data = self._call("get", _exactly(want, self.fs.cat_file, changed), full, start=start, end=end)
+            if changed():
                 raise StaleVersionError(f"{self.url}/{key} changed while it was read")
         self.stats.add_bytes(bytes_in=len(data))
         return data
@@ -423,6 +430,28 @@ class Remote:
             self.fs.invalidate_cache(self.full(key) if key else None)
         except Exception:  # noqa: BLE001 - best effort only
             pass
+
+
+class TruncatedResponse(ConnectionError):
+    """A read returned fewer bytes than asked without an error: retried like a dropped connection."""
+
+
+def _exactly(size: int | None, fn: Callable[..., bytes],
+             changed: Callable[[], bool] | None = None) -> Callable[..., bytes]:
+    """``fn`` (a ranged read) that fails, retryably, when it returns other than ``size`` bytes
+    (None: any number)."""
+    if size is None:
+        return fn
+
+    def read(*args: Any, **kwargs: Any) -> bytes:
+        data = fn(*args, **kwargs)
+        if len(data) != size:
+            if changed is not None and changed():
+                raise StaleVersionError(f"object changed: {len(data)} of {size} bytes")
+            raise TruncatedResponse(f"short read: {len(data)} of {size} bytes")
+        return data
+
+    return read
 
 
 def _one_line(exc: BaseException) -> str:

@@ -215,6 +215,26 @@ def test_timeouts_fail_the_read_within_attempts_times_the_timeout(faulty: Faulty
     assert faulty.plan.injected["get"] == 3
 
 
+def test_truncated_responses_are_retried_never_served(faulty: Faulty) -> None:
+    faulty.put("one-chunk", os.urandom(60 * KiB))
+    faulty.plan.truncate = 1  # a response comes back short, without an error: retried
+    fd = os.open(faulty.mnt / "one-chunk", os.O_RDONLY | os.O_DIRECT)  # one read, no kernel retry
+    try:
+        assert os.pread(fd, 4096, 0) == faulty.cat("one-chunk")[:4096]
+    finally:
+        os.close(fd)
+    assert faulty.plan.injected["truncated"] == 1
+    data = os.urandom(200 * KiB)
+    faulty.put("t", data)
+    faulty.plan.truncate = 2
+    assert (faulty.mnt / "t").read_bytes() == data
+    faulty.plan.truncate = 1000  # every read is short: fail, never serve the short bytes
+    faulty.put("u", data)
+    faulty.forget()
+    assert errno_of(lambda: (faulty.mnt / "u").read_bytes()) == errno.EIO
+    assert faulty.plan.injected["truncated"] >= 5
+
+
 def test_a_lost_upload_acknowledgement_is_retried_harmlessly(faulty: Faulty) -> None:
     faulty.plan.queue("put", ConnectionResetError(104, "injected: reply lost"), after=True)
     (faulty.mnt / "acked").write_bytes(b"exactly once")
