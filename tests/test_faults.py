@@ -324,6 +324,20 @@ def test_a_handle_on_s3_moves_to_a_new_version_or_is_estale_never_eio(s3_server:
 
 
 # -- the chunk cache and the clock ------------------------------------------------------------------
+def test_a_chunk_removed_or_cut_short_under_a_running_daemon_is_refetched(faulty: Faulty) -> None:
+    data = os.urandom(256 * KiB)
+    faulty.put("c", data)
+    read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
+    assert read == data
+    chunks = sorted((faulty.cache / "chunks").rglob("*-*-*"))
+    assert len(chunks) == 4
+    chunks[0].unlink()
+    with open(chunks[1], "r+b") as f:
+        f.truncate(1000)
+    faulty.core.fetcher._memory.clear()  # only the disk cache is left
+    drop_page_cache()
+    read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
+    assert read == data
 
 
 def test_wall_clock_jumps_do_not_move_ttls_or_lose_writes(faulty: Faulty, monkeypatch: pytest.MonkeyPatch) -> None:
