@@ -113,14 +113,20 @@ def _mtime_ns(info: dict[str, Any]) -> int:
 
 
 def _version(info: dict[str, Any], mtime_ns: int, size: int) -> str:
-    """GCS generation, else S3 ETag, else mtime+size (local files, memory)."""
+    """GCS generation, else S3 ETag, else mtime+size (memory), plus inode and change time for
+    local files: a rewrite can keep size and mtime (`cp -p`, `rsync -a`, a clock that jumped
+    back, a coarse timestamp), but not its inode and ctime as well."""
     generation = info.get("generation")
     if generation:
         return f"g{generation}"
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return f"e{str(etag).strip(chr(34))}"
-    return f"m{mtime_ns}:{size}"
+    version = f"m{mtime_ns}:{size}"
+    ctime = info.get("created")
+    if info.get("ino") and isinstance(ctime, (int, float)):
+        version += f":i{info['ino']}:c{int(ctime * 1_000_000_000)}"
+    return version
 
 
 class Remote:

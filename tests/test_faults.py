@@ -356,6 +356,31 @@ def test_wall_clock_jumps_do_not_move_ttls_or_lose_writes(faulty: Faulty, monkey
     monkeypatch.undo()
 
 
+def test_a_new_version_with_the_old_size_and_mtime_is_never_served_stale(tmp_path: Path) -> None:
+    """A clock that jumped back, `cp -p` or `rsync -a` can give a rewritten file its old mtime;
+    local versions must still differ, or cached chunks of the old bytes would be served."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    old, new = os.urandom(300 * KiB), os.urandom(300 * KiB)
+    (remote / "f").write_bytes(old)
+    first = os.stat(remote / "f")
+    with inprocess_mount(str(remote), tmp_path / "mnt", tmp_path / "cache", chunk_size=64 * KiB,
+                         cache_size=64 * MiB, metadata_ttl=0.2):
+        assert subprocess.run(["cat", str(tmp_path / "mnt/f")], capture_output=True).stdout == old
+        (tmp_path / "new").write_bytes(new)
+        os.utime(tmp_path / "new", ns=(first.st_atime_ns, first.st_mtime_ns))
+        os.replace(tmp_path / "new", remote / "f")  # what rsync -a does
+        time.sleep(1.5)  # our TTL and the kernel's
+        drop_page_cache()
+        assert subprocess.run(["cat", str(tmp_path / "mnt/f")], capture_output=True).stdout == new
+        with open(remote / "f", "r+b") as f:  # rewritten in place, mtime set back again
+            f.write(old[:1000])
+        os.utime(remote / "f", ns=(first.st_atime_ns, first.st_mtime_ns))
+        time.sleep(1.5)
+        drop_page_cache()
+        assert subprocess.run(["cat", str(tmp_path / "mnt/f")], capture_output=True).stdout == old[:1000] + new[1000:]
+
+
 def test_conflict_copies_never_overwrite_each_other(tmp_path: Path) -> None:
     """Two kept commits of one key that both clash are committed in the same second (a clock
     jump back makes that likelier): each must keep its own bytes."""
