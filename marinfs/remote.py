@@ -39,6 +39,14 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
 T = TypeVar("T")
+NAME_MAX = 255
+
+
+def _reachable(name: str) -> bool:
+    """Whether a path can name this listing entry. Object stores allow keys such as ``a/./b``,
+    ``a/../b`` or components over NAME_MAX bytes: listing them would show entries that every
+    lookup then fails (or that mean something else), so they are left out."""
+    return name not in (".", "..") and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,7 @@ class Remote:
             if path == full.rstrip("/"):
                 continue  # a directory marker or the directory itself
             name = posixpath.basename(path)
-            if not name or name.startswith(TMP_PREFIX):
+            if not name or name.startswith(TMP_PREFIX) or not _reachable(name):
                 continue
             child = key + "/" + name if key else name
             info = self._info_of(raw, child)
