@@ -42,6 +42,14 @@ T = TypeVar("T")
 NAME_MAX = 255
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _reachable(name: str) -> bool:
     """Whether a path can name this listing entry. Object stores allow keys such as ``a/./b``,
     ``a/../b`` or components over NAME_MAX bytes: listing them would show entries that every
@@ -171,6 +179,10 @@ class Remote:
     def full(self, key: str) -> str:
         if not key:
             return self.root
+        if self.object_store and not _utf8(key):
+            # A name that is not UTF-8 (surrogate-escaped bytes) cannot be a key: a clear errno
+            # instead of an encoding error deep in the client.
+            raise OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not", key)
         return f"{self.root.rstrip('/')}/{key}" if self.root else key
 
     def key_of(self, full_path: str) -> str:

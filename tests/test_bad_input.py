@@ -4,6 +4,7 @@ empty and huge files. Never a crash, never a hang: an errno or a documented pres
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from marinfs import cli
-from mounting import MARINFS, fsspec_client, force_unmount, inprocess_mount
+from mounting import MARINFS, Mounted, fsspec_client, force_unmount, inprocess_mount
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -42,6 +43,35 @@ def test_bad_mount_flags_are_one_line_and_exit_2(flags: list[str], tmp_path: Pat
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("marinfs: error: ") and "Traceback" not in err
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def test_a_name_that_is_not_utf8(mounted: Mounted) -> None:
+    """Local and memory remotes take any bytes as a name, as a local disk does; object store keys
+    are UTF-8, so there such a name is EILSEQ (not EIO with a traceback), and nothing is sent."""
+    bad = os.fsencode(str(mounted.mnt)) + b"/latin1-caf\xe9"
+    if mounted.url.startswith(("s3://", "gs://")):
+        for op in (os.stat, lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644), os.mkdir):
+            fd = None
+            try:
+                with pytest.raises(OSError) as info:
+                    fd = op(bad)
+            finally:
+                if isinstance(fd, int):
+                    os.close(fd)  # (never leave a descriptor open on a mount)
+            assert info.value.errno == errno.EILSEQ
+        assert os.listdir(mounted.mnt) == []
+    else:
+        with open(bad, "wb") as f:
+            f.write(b"bytes")
+        assert os.listdir(os.fsencode(str(mounted.mnt))) == [b"latin1-caf\xe9"]
+        with open(bad, "rb") as f:
+            assert f.read() == b"bytes"
+        os.unlink(bad)
+    (mounted.mnt / "fine").write_text("ok")
+    assert os.listdir(mounted.mnt) == ["fine"]
 
 
 # -- remote keys that are not POSIX names -----------------------------------------------------------
