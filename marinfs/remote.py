@@ -15,6 +15,7 @@ import logging
 import os
 import posixpath
 import random
+import stat
 import threading
 import time
 import uuid
@@ -170,6 +171,8 @@ class Remote:
         except Exception as exc:  # noqa: BLE001 - bad options or credentials: one clear line
             raise UsageError(f"cannot use {url}: {_one_line(exc)}") from None
         self.root = cls._strip_protocol(url).rstrip("/") or ("/" if self.hierarchical else "")
+        # Where the prefix really is on a local disk: symbolic links must not lead out of it.
+        self._real_root = os.path.realpath(self.root) if self.hierarchical else None
         if protocol in ("s3", "s3a"):
             self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
         # Object stores: count real HTTP requests (pages, parts), not our logical calls.
@@ -183,7 +186,28 @@ class Remote:
             # A name that is not UTF-8 (surrogate-escaped bytes) cannot be a key: a clear errno
             # instead of an encoding error deep in the client.
             raise OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not", key)
-        return f"{self.root.rstrip('/')}/{key}" if self.root else key
+        path = f"{self.root.rstrip('/')}/{key}" if self.root else key
+        if self._real_root is not None and not self._inside(path):
+            raise PermissionError(errno.EACCES, "a symbolic link leads outside the mounted prefix", path)
+        return path
+
+    def _inside(self, path: str) -> bool:
+        """Whether a local path, symbolic links resolved, stays under the prefix."""
+        real, root = os.path.realpath(path), self._real_root or ""
+        return real == root or real.startswith(root.rstrip("/") + "/")
+
+    def _followed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """A local symbolic link as what it leads to, or None when that is outside the prefix
+        or nothing: links are followed only within the mounted tree."""
+        path = raw["name"]
+        try:
+            if not self._inside(path):
+                return None
+            st = os.stat(path)
+        except OSError:
+            return None
+        return {**raw, "type": "directory" if stat.S_ISDIR(st.st_mode) else "file", "size": st.st_size,
+                "mtime": st.st_mtime, "created": st.st_ctime, "ino": st.st_ino}
 
     def key_of(self, full_path: str) -> str:
         full_path = full_path.rstrip("/")
@@ -259,7 +283,12 @@ class Remote:
         first, so revalidating a known directory costs one request.
         """
         if not (self.object_store and key):
-            return self._info_of(self._call("head", self.fs.info, self.full(key)), key)
+            raw = self._call("head", self.fs.info, self.full(key))
+            if raw.get("islink"):
+                raw = self._followed(raw)
+                if raw is None:  # full() let it through: it leads nowhere
+                    raise FileNotFoundError(errno.ENOENT, "a dangling symbolic link", self.url + "/" + key)
+            return self._info_of(raw, key)
         full = self.full(key)
         if likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
@@ -301,6 +330,10 @@ class Remote:
             name = posixpath.basename(path)
             if not name or name.startswith(TMP_PREFIX) or not _reachable(name):
                 continue
+            if raw.get("islink"):
+                raw = self._followed(raw)
+                if raw is None:
+                    continue  # leads outside the prefix, or nowhere: not shown
             child = key + "/" + name if key else name
             info = self._info_of(raw, child)
             # An object "a" and a prefix "a/" can coexist in object stores: show the directory.

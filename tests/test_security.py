@@ -159,6 +159,37 @@ def test_allow_other_is_off_by_default_and_comes_with_default_permissions(shared
         assert listed.returncode == 0 and "public.txt" in listed.stdout
 
 
+def test_symbolic_links_in_a_local_remote_never_lead_outside_it(tmp_path: Path) -> None:
+    remote, outside, mnt = tmp_path / "remote", tmp_path / "outside", tmp_path / "mnt"
+    (remote / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret.txt").write_text("outside the prefix")
+    (remote / "sub/inside.txt").write_text("inside")
+    os.symlink(outside, remote / "dir-out")
+    os.symlink(outside / "secret.txt", remote / "file-out")
+    os.symlink("../../outside/secret.txt", remote / "sub/relative-out")
+    os.symlink("sub", remote / "dir-in")
+    os.symlink("sub/inside.txt", remote / "file-in")
+    os.symlink(remote / "nowhere", remote / "dangling")
+    with subprocess_mount(str(remote), mnt, tmp_path / "cache"):
+        # Links that stay inside the prefix are followed; the rest are not shown, and asking
+        # for them by name is EACCES (dangling: ENOENT).
+        assert sorted(os.listdir(mnt)) == ["dir-in", "file-in", "sub"]
+        assert sorted(os.listdir(mnt / "sub")) == ["inside.txt"]
+        assert (mnt / "file-in").read_text() == "inside" and os.listdir(mnt / "dir-in") == ["inside.txt"]
+        for name in ("dir-out", "file-out", "sub/relative-out", "dir-out/secret.txt"):
+            with pytest.raises(PermissionError):
+                (mnt / name).read_text()
+        with pytest.raises(FileNotFoundError):
+            os.stat(mnt / "dangling")
+        with pytest.raises(OSError):
+            (mnt / "dir-out/planted.txt").write_text("planted")
+        for tool in (["find", str(mnt)], ["ls", "-lR", str(mnt)], ["du", "-s", str(mnt)]):
+            assert subprocess.run(tool, capture_output=True, timeout=60).returncode == 0, tool
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "outside the prefix"
+
+
 def test_nothing_outside_the_prefix_shows_in_an_object_store_mount(s3_server: Any, tmp_path: Path) -> None:
     """A sibling prefix that starts with the same characters, and keys above the prefix."""
     base = f"t-{uuid.uuid4().hex[:12]}"
