@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from marinfs.daemon import state_file
+from marinfs.errors import UsageError
+from marinfs.mounts import MountEntry, convert
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
 
 NOBODY = 65534
@@ -205,3 +207,14 @@ def test_nothing_outside_the_prefix_shows_in_an_object_store_mount(s3_server: An
             assert not (mnt / name).resolve().is_relative_to(mnt)  # the kernel resolves "..": not us
         with pytest.raises(FileNotFoundError):
             os.stat(mnt / f"{base}-evil")
+
+
+def test_marinfs_path_never_maps_a_url_outside_the_prefix_into_the_mount() -> None:
+    mounts = [MountEntry("s3://b/p", "/mnt/m")]
+    assert convert("s3://b/p/./a//b", mounts) == "/mnt/m/a/b"
+    assert convert("s3://b/p/x/../y", mounts) == "/mnt/m/y"
+    for url in ("s3://b/p/../p-evil/x", "s3://b/p/a/../../x", "s3://b/p-other/x", "s3://b/p/.."):
+        with pytest.raises(UsageError):
+            convert(url, mounts)
+    with pytest.raises(UsageError):
+        convert("/mnt/m/../etc/passwd", mounts)
