@@ -496,11 +496,12 @@ def test_server_stops_mid_upload_close_fails_and_the_bytes_survive(proxied_s3: P
         assert time.monotonic() - started < 15
         assert p.cat("ckpt.bin") == b"old version"  # never a torn object
         assert len(journals(cache)) == 1
-        status = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True)
-        time.sleep(2.5)  # the daemon publishes its counters every 2 s
-        status = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True)
-        failed = json.loads(status.stdout)[0]["uploads"]["failed"]
-        assert [f["key"] for f in failed] == ["ckpt.bin"]
+
+        def failed() -> list[str]:  # the release retries once more; counters are published every 2 s
+            status = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True)
+            return [f["key"] for f in json.loads(status.stdout)[0].get("uploads", {}).get("failed", [])]
+
+        wait_for(lambda: failed() == ["ckpt.bin"], within=15)
         p.proxy.restart()
     with subprocess_mount(p.url, mnt, cache, *mount_args(3), env=p.env):  # the next start commits it
         assert p.cat("ckpt.bin") == new
