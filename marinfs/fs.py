@@ -371,6 +371,9 @@ class Filesystem:
         key = key_of(path)
         if self.lookup(key).is_dir:
             raise FsError(errno.EISDIR, key)
+        open_staged = self._staged.get(key)
+        if open_staged is not None:
+            open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
         with self._lock:
             staged = self._staged.pop(key, None)
         if staged is not None:  # (its lock waits for a commit in flight: never under ours)
@@ -460,6 +463,9 @@ class Filesystem:
         staged = self._staged.get(src)
         if staged is not None:
             self._commit(staged)  # the remote must hold the bytes we are about to move
+        replaced = self._staged.get(dst)
+        if replaced is not None:
+            replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
         self.remote.rename(src, dst)
         self._move_staged(src, dst)
 

@@ -125,6 +125,12 @@ class StagedFile:
                 self._journaled = False
                 self._mark_dirty()
 
+    def keep_old_bytes(self) -> None:
+        """The object is about to go (unlinked, or replaced by a rename): fetch the bytes not
+        fetched yet, so open descriptors keep them, as on a local disk."""
+        with self.lock:
+            self._ensure_seeded()
+
     def mark_unlinked(self) -> None:
         """Its name is gone (unlinked, or replaced by a rename): the bytes stay usable through
         open descriptors but are never committed, so no journal may commit them after a crash."""

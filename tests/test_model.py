@@ -561,3 +561,34 @@ def test_bytes_written_after_an_fsync_are_recovered_in_place_after_a_crash(
     with subprocess_mount(url, mnt, cache, env=env):
         assert os.listdir(mnt) == ["log"]
         assert (mnt / "log").read_bytes() == b"v1 fsynced then written"
+
+
+def test_an_open_file_keeps_its_bytes_after_unlink_or_replace(mounted: Any) -> None:
+    """open(O_RDWR) (nothing read or written yet); unlink; ftruncate -> ENOENT: the staged file
+    fetched the old bytes only when first needed, and by then the object was gone."""
+    m = mounted.mnt
+    for how in ("unlink", "replace"):
+        (m / "f").write_bytes(b"old bytes")
+        fd = os.open(m / "f", os.O_RDWR)
+        try:
+            if how == "unlink":
+                os.unlink(m / "f")
+            else:
+                (m / "new").write_bytes(b"the new file")
+                os.rename(m / "new", m / "f")
+            os.ftruncate(fd, 6207)
+            assert os.pread(fd, 9, 0) == b"old bytes"
+            os.pwrite(fd, b"O", 0)
+            assert os.pread(fd, 9, 0) == b"Old bytes" and len(os.pread(fd, 10_000, 0)) == 6207
+            if how == "unlink":  # documented: libfuse has no name left to stat it by
+                with pytest.raises(OSError) as info:
+                    os.fstat(fd)
+                assert info.value.errno == errno.ESTALE
+        finally:
+            os.close(fd)
+        if how == "unlink":
+            assert os.listdir(m) == [] and remote_names(mounted) == []
+        else:
+            assert os.listdir(m) == ["f"] and (m / "f").read_bytes() == b"the new file"
+            assert mounted.remote_bytes("f") == b"the new file"
+            os.unlink(m / "f")
