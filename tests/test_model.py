@@ -58,7 +58,7 @@ FLAGS = {
 }
 
 names = st.sampled_from(NAMES)
-# Mostly shallow paths, so operations meet existing entries more often than ENOENT.
+# Mostly shallow paths; rules also draw existing ones (MountVersusModel.where).
 paths = st.one_of(names, names, st.lists(names, min_size=2, max_size=2).map("/".join),
                   st.lists(names, min_size=3, max_size=3).map("/".join))
 offsets = st.one_of(st.integers(0, 16), st.sampled_from([CHUNK - 1, CHUNK, 2 * CHUNK + 5]),
@@ -242,9 +242,21 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             return outcome(lambda: op(self.m)), outcome(lambda: op(self.t))
 
         def agree(self, what: str, model: tuple[str, Any], mount: tuple[str, Any]) -> None:
-            if model[0] == "err":
-                counters.errnos[model[1]] = counters.errnos.get(model[1], 0) + 1
+            outcome_name = model[1] if model[0] == "err" else "ok"
+            counters.errnos[outcome_name] = counters.errnos.get(outcome_name, 0) + 1
+            if os.environ.get("MARINFS_MODEL_TRACE"):
+                print(what.split("(")[0].split(" ")[0], outcome_name)
             assert mount == model, f"{what}: model {model}, mount {mount}"
+
+        def where(self, data: st.DataObject) -> str:
+            """A path: often one that exists, or a name inside an existing directory, so that calls
+            meet files and directories rather than ENOENT."""
+            existing = sorted(str(p.relative_to(self.m)) for p in self.m.rglob("*"))
+            choices = [paths]
+            if existing:
+                there = st.sampled_from(existing)
+                choices += [there, there, st.tuples(there, names).map("/".join)]
+            return data.draw(st.one_of(*choices), label="path")
 
         def pick(self, slot: int) -> OpenFile | None:
             return self.files[slot % len(self.files)] if self.files else None
@@ -280,8 +292,12 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
         def fresh_root(self) -> None:
             counters.examples += 1
             self.root = f"ex-{uuid.uuid4().hex[:8]}"
-            os.mkdir(self.m)
-            os.mkdir(self.t)
+            seed = random.Random(counters.examples).randbytes(CHUNK + 100)
+            for root in (self.m, self.t):  # something to meet: a directory, a file in it, a file
+                os.mkdir(root)
+                os.mkdir(root / "a")
+                (root / "a/b").write_bytes(seed)
+                (root / "c").write_bytes(seed[:10])
 
         def teardown(self) -> None:
             for f in self.files:
@@ -292,8 +308,11 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             self.files.clear()
 
         # -- descriptors ---------------------------------------------------------------------
-        @rule(path=paths, how=st.sampled_from(sorted(FLAGS)))
-        def open(self, path: str, how: str) -> None:
+        @rule(data=st.data(), how=st.sampled_from(sorted(FLAGS)))
+        def open(self, data: st.DataObject, how: str) -> None:
+            self.open_path(self.where(data), how)
+
+        def open_path(self, path: str, how: str) -> None:
             flags = FLAGS[how]
             model, mount = self.both(lambda root: os.open(root / path, flags, 0o644))
             if model[0] == "ok" and mount[0] == "ok":
@@ -303,31 +322,40 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
                     f.history = [f.opened] if f.opened is not None else []
                 self.files.append(f)
                 self.note_change()
+                self.agree(f"open({path!r}, {how})", ("ok", None), ("ok", None))  # (counted)
                 return
             for side in (model, mount):  # one side opened, the other did not: close it again
                 if side[0] == "ok":
                     os.close(side[1])
             self.agree(f"open({path!r}, {how})", model, mount)
 
-        @precondition(lambda self: self.files)
-        @rule(slot=fd_slots, data=blobs, offset=offsets)
-        def write(self, slot: int, data: bytes, offset: int) -> None:
-            f = self.pick(slot)
-            assert f is not None
+        def handle(self, slot: int, data: st.DataObject) -> OpenFile | None:
+            """An open file for a descriptor call; when none is open, open one first (so that
+            descriptor calls stay frequent whatever rules hypothesis picks)."""
+            if not self.files:
+                how = data.draw(st.sampled_from(["rw+creat", "rw", "append", "w+trunc", "r"]), label="open")
+                self.open_path(self.where(data), how)
+            return self.pick(slot)
+
+        @rule(slot=fd_slots, blob=blobs, offset=offsets, data=st.data())
+        def write(self, slot: int, blob: bytes, offset: int, data: st.DataObject) -> None:
+            f = self.handle(slot, data)
+            if f is None:
+                return
             if f.flags & os.O_APPEND:
-                model = outcome(lambda: os.write(f.model, data))
-                mount = outcome(lambda: os.write(f.mount, data))
+                model = outcome(lambda: os.write(f.model, blob))
+                mount = outcome(lambda: os.write(f.mount, blob))
             else:
-                model = outcome(lambda: os.pwrite(f.model, data, offset))
-                mount = outcome(lambda: os.pwrite(f.mount, data, offset))
-            self.agree(f"write {len(data)} bytes at {offset} to {f.path!r}", model, mount)
+                model = outcome(lambda: os.pwrite(f.model, blob, offset))
+                mount = outcome(lambda: os.pwrite(f.mount, blob, offset))
+            self.agree(f"write {len(blob)} bytes at {offset} to {f.path!r}", model, mount)
             self.note_change()
 
-        @precondition(lambda self: self.files)
-        @rule(slot=fd_slots, offset=offsets, size=lengths)
-        def read(self, slot: int, offset: int, size: int) -> None:
-            f = self.pick(slot)
-            assert f is not None
+        @rule(slot=fd_slots, offset=offsets, size=lengths, data=st.data())
+        def read(self, slot: int, offset: int, size: int, data: st.DataObject) -> None:
+            f = self.handle(slot, data)
+            if f is None:
+                return
             model = outcome(lambda: os.pread(f.model, size, offset))
             mount = outcome(lambda: os.pread(f.mount, size, offset))
             if mount != model and not f.writable and model[0] == "ok":
@@ -339,21 +367,21 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
                     return
             self.agree(f"pread({size}, {offset}) of {f.path!r} ({'rw' if f.writable else 'ro'})", model, mount)
 
-        @precondition(lambda self: self.files)
-        @rule(slot=fd_slots, length=lengths)
-        def ftruncate(self, slot: int, length: int) -> None:
-            f = self.pick(slot)
-            assert f is not None
+        @rule(slot=fd_slots, length=lengths, data=st.data())
+        def ftruncate(self, slot: int, length: int, data: st.DataObject) -> None:
+            f = self.handle(slot, data)
+            if f is None:
+                return
             model = outcome(lambda: os.ftruncate(f.model, length))
             mount = outcome(lambda: os.ftruncate(f.mount, length))
             self.agree(f"ftruncate({f.path!r}, {length})", model, mount)
             self.note_change()
 
-        @precondition(lambda self: self.files)
-        @rule(slot=fd_slots)
-        def fsync(self, slot: int) -> None:
-            f = self.pick(slot)
-            assert f is not None
+        @rule(slot=fd_slots, data=st.data())
+        def fsync(self, slot: int, data: st.DataObject) -> None:
+            f = self.handle(slot, data)
+            if f is None:
+                return
             model = outcome(lambda: os.fsync(f.model))
             mount = outcome(lambda: os.fsync(f.mount))
             self.agree(f"fsync({f.path!r})", model, mount)
@@ -369,45 +397,50 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             self.agree(f"close({f.path!r})", model, mount)
 
         # -- paths ---------------------------------------------------------------------------
-        @rule(path=paths, length=lengths)
-        def truncate(self, path: str, length: int) -> None:
+        @rule(data=st.data(), length=lengths)
+        def truncate(self, data: st.DataObject, length: int) -> None:
+            path = self.where(data)
             model, mount = self.both(lambda root: os.truncate(root / path, length))
             self.agree(f"truncate({path!r}, {length})", model, mount)
             self.note_change()
 
-        @rule(path=paths)
-        def mkdir(self, path: str) -> None:
+        @rule(data=st.data())
+        def mkdir(self, data: st.DataObject) -> None:
+            path = self.where(data)
             model, mount = self.both(lambda root: os.mkdir(root / path))
             self.agree(f"mkdir({path!r})", model, mount)
 
-        @rule(path=paths)
-        def rmdir(self, path: str) -> None:
+        @rule(data=st.data())
+        def rmdir(self, data: st.DataObject) -> None:
+            path = self.where(data)
             model, mount = self.both(lambda root: os.rmdir(root / path))
             self.agree(f"rmdir({path!r})", model, mount)
 
-        @rule(path=paths)
-        def unlink(self, path: str) -> None:
+        @rule(data=st.data())
+        def unlink(self, data: st.DataObject) -> None:
+            path = self.where(data)
             model, mount = self.both(lambda root: os.unlink(root / path))
             self.agree(f"unlink({path!r})", model, mount)
             self.note_change()
 
-        @rule(src=paths, dst=paths)
-        def rename(self, src: str, dst: str) -> None:
+        @rule(data=st.data())
+        def rename(self, data: st.DataObject) -> None:
+            src, dst = self.where(data), self.where(data)
             model, mount = self.both(lambda root: os.rename(root / src, root / dst))
             self.agree(f"rename({src!r}, {dst!r})", model, mount)
             self.note_change()
 
-        @rule(path=paths)
-        def stat(self, path: str) -> None:
+        @rule(data=st.data())
+        def look(self, data: st.DataObject) -> None:
+            """stat and listdir (the tree itself is compared after every step anyway)."""
+            path = "" if data.draw(st.booleans(), label="the root") else self.where(data)
+
             def kind_and_size(root: Path) -> tuple[str, int]:
                 s = os.stat(root / path)
-                return ("dir", 0) if os.path.isdir(root / path) else ("file", s.st_size)
+                return ("dir", 0) if stat.S_ISDIR(s.st_mode) else ("file", s.st_size)
 
             model, mount = self.both(kind_and_size)
             self.agree(f"stat({path!r})", model, mount)
-
-        @rule(path=st.one_of(st.just(""), paths))
-        def listdir(self, path: str) -> None:
             model, mount = self.both(lambda root: sorted(os.listdir(root / path)))
             self.agree(f"listdir({path!r})", model, mount)
 
@@ -473,7 +506,7 @@ def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
         with capsys.disabled():
             print(f"\nmodel[{target.backend}]: {counters.examples} examples, {counters.steps} steps, "
                   f"{target.mounts - 1} remounts ({target.crashes} after SIGKILL), "
-                  f"errnos compared {dict(sorted(counters.errnos.items()))}, "
+                  f"outcomes compared {dict(sorted(counters.errnos.items()))}, "
                   f"{time.monotonic() - started:.1f} s")
 
 
