@@ -1,5 +1,6 @@
 # marinfs: `make run` mounts $MARIN_PREFIX (or /tmp/marin) at $MARINFS_MOUNT (or ./mnt);
-# `make test` runs the whole suite. Both install what a fresh Debian machine lacks.
+# `make test` runs the whole suite, `make soak` the model tests long. All install what a fresh
+# Debian machine lacks.
 SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
@@ -7,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test bench bench-peers peer-deps install system-deps venv clean
+.PHONY: run test soak bench bench-peers peer-deps install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -30,6 +31,17 @@ run: system-deps venv
 
 test: system-deps venv
 	$(VENV)/bin/python -m pytest
+
+# The reference-model state machine, long, on every backend, with new random seeds each run
+# (CI runs a small derandomized budget on local and S3). Counts are printed per backend;
+# a failure prints the shrunk sequence of calls. docs/reliability.md.
+SOAK_EXAMPLES ?= 200
+SOAK_STEPS ?= 60
+SOAK_BACKENDS ?= local,memory,s3,gcs
+soak: system-deps venv
+	MARINFS_MODEL_BACKENDS=$(SOAK_BACKENDS) MARINFS_MODEL_EXAMPLES=$(SOAK_EXAMPLES) \
+	  MARINFS_MODEL_STEPS=$(SOAK_STEPS) MARINFS_MODEL_RANDOM=1 \
+	  $(VENV)/bin/python -m pytest tests/test_model.py -k agrees --timeout 0 -rA
 
 bench: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py

@@ -143,6 +143,11 @@ class ChunkCache:
         except FileNotFoundError:
             self._discard(ikey, entry)
             return None
+        if len(data) != max(0, min(size, entry.size - offset)):
+            # Cut short since it was verified (not by us: chunks are written whole, then
+            # renamed): a miss, never a short read handed to the kernel.
+            self._discard(ikey, entry, corrupt=True)
+            return None
         self._hit()
         return data
 

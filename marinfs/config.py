@@ -121,8 +121,9 @@ class MountConfig:
                 raise UsageError(f"--{name} must be >= 0")
         for name in ("metadata_ttl", "negative_ttl", "list_ttl", "connect_timeout", "read_timeout",
                      "mount_timeout"):
-            if (getattr(self, name) or 0) < 0:
-                raise UsageError(f"{name.replace('_', '-')} must be >= 0")
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # NaN too: a TTL of NaN never expires
+                raise UsageError(f"{name.replace('_', '-')} must be a number >= 0, not {value}")
         if self.retries < 1:
             raise UsageError("--retries must be >= 1")
         if not 64 << 10 <= self.chunk_size <= 1 << 30:

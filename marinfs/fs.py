@@ -255,6 +255,16 @@ class Filesystem:
             self._kernel_versions[key] = None if writable else info.version
         return self._new_handle(handle)
 
+    def handle_info(self, fh: int) -> ObjectInfo:
+        """An open file's attributes by its handle: it may have no name any more (unlinked)."""
+        handle = self._handle(fh)
+        staged = handle.staged
+        if staged is not None:
+            return ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+        if handle.info is None:
+            raise FsError(errno.EBADF)
+        return handle.info
+
     def keeps_kernel_cache(self, fh: int) -> bool:
         """Whether the kernel may keep the pages it cached for this file (version unchanged)."""
         return self._handle(fh).keep_kernel_cache
@@ -360,7 +370,7 @@ class Filesystem:
     def _commit_conflict(self, staged: StagedFile) -> None:
         """Someone else replaced (or removed) the object under our writer: never overwrite it.
         Our bytes are committed beside it, and close() reports ESTALE (see docs/semantics.md)."""
-        target = conflict_name(staged.key)
+        target = conflict_name(staged.key, Path(staged.path))
         try:
             staged.commit(self.remote.upload, key=target)
         except Exception:
@@ -412,10 +422,13 @@ class Filesystem:
         key = key_of(path)
         if self.lookup(key).is_dir:
             raise FsError(errno.EISDIR, key)
+        open_staged = self._staged.get(key)
+        if open_staged is not None:
+            open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
         with self._lock:
             staged = self._staged.pop(key, None)
-            if staged is not None:
-                staged.unlinked = True  # open handles keep working; nothing is committed
+        if staged is not None:  # (its lock waits for a commit in flight: never under ours)
+            staged.mark_unlinked()  # open handles keep working; nothing is committed
         try:
             self.remote.delete(key)
         except FileNotFoundError:
@@ -489,8 +502,6 @@ class Filesystem:
         A replaced target that is still open becomes nameless, as on a local disk."""
         with self._lock:
             replaced = self._staged.pop(dst, None)
-            if replaced is not None:
-                replaced.unlinked = True
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
             moved = []
             for k in moving:
@@ -504,11 +515,16 @@ class Filesystem:
                 staged.base_version = self.remote.stat(staged.key).version
             except FileNotFoundError:
                 staged.base_version = None
+        if replaced is not None:
+            replaced.mark_unlinked()
 
     def _rename_file(self, src: str, dst: str) -> None:
         staged = self._staged.get(src)
         if staged is not None:
             self._commit(staged)  # the remote must hold the bytes we are about to move
+        replaced = self._staged.get(dst)
+        if replaced is not None:
+            replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
         self.remote.rename(src, dst)
         self._move_staged(src, dst)
 

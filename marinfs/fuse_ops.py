@@ -87,7 +87,9 @@ class FuseAdapter(fuse.Operations):
 
     # -- metadata ------------------------------------------------------------------------------
     @_errors
-    def getattr(self, path: str, fh: Any = None) -> dict[str, int]:
+    def getattr(self, path: str | None, fh: Any = None) -> dict[str, int]:
+        if path is None:  # an unlinked file that is still open (hard_remove): only its handle
+            return self.attrs(self.fs.handle_info(fh.fh))
         return self.attrs(self.fs.getattr(path))
 
     @_errors
@@ -108,18 +110,21 @@ class FuseAdapter(fuse.Operations):
         return 0
 
     @_errors
-    def chmod(self, path: str, mode: int) -> int:
-        self.fs.set_attributes(path)
+    def chmod(self, path: str | None, mode: int) -> int:
+        if path is not None:  # None: an unlinked open file, nothing to check
+            self.fs.set_attributes(path)
         return 0
 
     @_errors
-    def chown(self, path: str, uid: int, gid: int) -> int:
-        self.fs.set_attributes(path)
+    def chown(self, path: str | None, uid: int, gid: int) -> int:
+        if path is not None:  # None: an unlinked open file, nothing to check
+            self.fs.set_attributes(path)
         return 0
 
     @_errors
-    def utimens(self, path: str, times: Any = None) -> int:
-        self.fs.set_attributes(path)
+    def utimens(self, path: str | None, times: Any = None) -> int:
+        if path is not None:  # None: an unlinked open file, nothing to check
+            self.fs.set_attributes(path)
         return 0
 
     # -- files ---------------------------------------------------------------------------------
@@ -219,6 +224,10 @@ def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool
         # With atime == mtime, relatime makes every read bump the cached times and tar reports
         # "file changed as we read it". Objects have no atime to keep anyway.
         "noatime": True,
+        # Unlink means unlink: without it libfuse renames a file that is still open to a
+        # .fuse_hidden* name, which every node would see (and object stores would store).
+        # fs.unlink keeps an open file's staged bytes usable through its descriptors.
+        "hard_remove": True,
     }
     if read_only:
         options["ro"] = True

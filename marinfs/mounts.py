@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -49,7 +50,12 @@ def convert(arg: str, entries: list[MountEntry]) -> str:
             rest = _under(path, entry.mountpoint)
             if rest is not None:
                 return f"{entry.remote}/{rest}" if rest else entry.remote
-    url = re.sub(r"(?<!:)/{2,}", "/", arg).rstrip("/") if "://" in arg else os.path.abspath(arg)
+    if "://" in arg:
+        # "." and ".." resolved as a path would be: s3://b/p/../q is not under s3://b/p.
+        scheme, _, rest = arg.partition("://")
+        url = f"{scheme}://{posixpath.normpath(rest).lstrip('/')}" if rest else arg
+    else:
+        url = os.path.abspath(arg)
     for entry in sorted(entries, key=lambda e: -len(e.remote)):
         rest = _under(url, entry.remote)
         if rest is not None:

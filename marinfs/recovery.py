@@ -4,7 +4,7 @@ Every staged file with uncommitted bytes has a journal beside it (see writer.py)
 the key, and the version the writer started from. At start (and periodically for failed
 commits) each journal of this remote is replayed: if the object is still at that base version,
 the bytes are committed to the key; if someone else changed it meanwhile, they are committed
-next to it as ``KEY.marinfs-conflict-<UTC time>`` and the other writer's object is left alone.
+next to it as ``KEY.marinfs-conflict-<UTC time>-<id>`` and the other writer's object is left alone.
 Nothing is deleted before the remote has the bytes.
 """
 
@@ -33,9 +33,11 @@ class Recovered:
     error: str | None = None
 
 
-def conflict_name(key: str, now: float | None = None) -> str:
+def conflict_name(key: str, staged: Path, now: float | None = None) -> str:
+    """Where clashing bytes go. The staging file's own unique name is part of it: two kept
+    commits of one key recovered in the same second (or after a clock jump) must not share it."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-    return f"{key}.marinfs-conflict-{stamp}"
+    return f"{key}.marinfs-conflict-{stamp}-{staged.name.removeprefix('staged-')}"
 
 
 def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset()) -> list[Recovered]:
@@ -68,7 +70,7 @@ def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remot
             # Replace exactly the version the writer started from (None: it did not exist).
             remote.upload(str(data), key, expect=base if base is not None else ABSENT)
         except PreconditionFailed:
-            target = conflict_name(key)
+            target = conflict_name(key, data)
             remote.upload(str(data), target, expect=ABSENT)
     except Exception as exc:  # noqa: BLE001 - reported; the bytes stay for the next attempt
         log.error("recovering %s from %s failed: %s", key, data, exc)

@@ -16,6 +16,7 @@ import logging
 import os
 import posixpath
 import random
+import stat
 import threading
 import time
 import uuid
@@ -43,6 +44,22 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 T = TypeVar("T")
 MiB = 1 << 20
+NAME_MAX = 255
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _reachable(name: str) -> bool:
+    """Whether a path can name this listing entry. Object stores allow keys such as ``a/./b``,
+    ``a/../b`` or components over NAME_MAX bytes: listing them would show entries that every
+    lookup then fails (or that mean something else), so they are left out."""
+    return name not in (".", "..") and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
 
 
 @dataclass(frozen=True)
@@ -117,14 +134,20 @@ def _mtime_ns(info: dict[str, Any]) -> int:
 
 
 def _version(info: dict[str, Any], mtime_ns: int, size: int) -> str:
-    """GCS generation, else S3 ETag, else mtime+size (local files, memory)."""
+    """GCS generation, else S3 ETag, else mtime+size (memory), plus inode and change time for
+    local files: a rewrite can keep size and mtime (`cp -p`, `rsync -a`, a clock that jumped
+    back, a coarse timestamp), but not its inode and ctime as well."""
     generation = info.get("generation")
     if generation:
         return f"g{generation}"
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return f"e{str(etag).strip(chr(34))}"
-    return f"m{mtime_ns}:{size}"
+    version = f"m{mtime_ns}:{size}"
+    ctime = info.get("created")
+    if info.get("ino") and isinstance(ctime, (int, float)):
+        version += f":i{info['ino']}:c{int(ctime * 1_000_000_000)}"
+    return version
 
 
 class Remote:
@@ -152,6 +175,8 @@ class Remote:
         except Exception as exc:  # noqa: BLE001 - bad options or credentials: one clear line
             raise UsageError(f"cannot use {url}: {_one_line(exc)}") from None
         self.root = cls._strip_protocol(url).rstrip("/") or ("/" if self.hierarchical else "")
+        # Where the prefix really is on a local disk: symbolic links must not lead out of it.
+        self._real_root = os.path.realpath(self.root) if self.hierarchical else None
         if protocol in ("s3", "s3a"):
             self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
         # Object stores: count real HTTP requests (pages, parts), not our logical calls.
@@ -187,7 +212,32 @@ class Remote:
     def full(self, key: str) -> str:
         if not key:
             return self.root
-        return f"{self.root.rstrip('/')}/{key}" if self.root else key
+        if self.object_store and not _utf8(key):
+            # A name that is not UTF-8 (surrogate-escaped bytes) cannot be a key: a clear errno
+            # instead of an encoding error deep in the client.
+            raise OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not", key)
+        path = f"{self.root.rstrip('/')}/{key}" if self.root else key
+        if self._real_root is not None and not self._inside(path):
+            raise PermissionError(errno.EACCES, "a symbolic link leads outside the mounted prefix", path)
+        return path
+
+    def _inside(self, path: str) -> bool:
+        """Whether a local path, symbolic links resolved, stays under the prefix."""
+        real, root = os.path.realpath(path), self._real_root or ""
+        return real == root or real.startswith(root.rstrip("/") + "/")
+
+    def _followed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """A local symbolic link as what it leads to, or None when that is outside the prefix
+        or nothing: links are followed only within the mounted tree."""
+        path = raw["name"]
+        try:
+            if not self._inside(path):
+                return None
+            st = os.stat(path)
+        except OSError:
+            return None
+        return {**raw, "type": "directory" if stat.S_ISDIR(st.st_mode) else "file", "size": st.st_size,
+                "mtime": st.st_mtime, "created": st.st_ctime, "ino": st.st_ino}
 
     def key_of(self, full_path: str) -> str:
         full_path = full_path.rstrip("/")
@@ -267,7 +317,12 @@ class Remote:
         first, so revalidating a known directory costs one request.
         """
         if not (self.object_store and key):
-            return self._info_of(self._call("head", self.fs.info, self.full(key)), key)
+            raw = self._call("head", self.fs.info, self.full(key))
+            if raw.get("islink"):
+                raw = self._followed(raw)
+                if raw is None:  # full() let it through: it leads nowhere
+                    raise FileNotFoundError(errno.ENOENT, "a dangling symbolic link", self.url + "/" + key)
+            return self._info_of(raw, key)
         full = self.full(key)
         if likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
@@ -307,8 +362,12 @@ class Remote:
             if path == full.rstrip("/"):
                 continue  # a directory marker or the directory itself
             name = posixpath.basename(path)
-            if not name or name.startswith(TMP_PREFIX):
+            if not name or name.startswith(TMP_PREFIX) or not _reachable(name):
                 continue
+            if raw.get("islink"):
+                raw = self._followed(raw)
+                if raw is None:
+                    continue  # leads outside the prefix, or nowhere: not shown
             child = key + "/" + name if key else name
             info = self._info_of(raw, child)
             # An object "a" and a prefix "a/" can coexist in object stores: show the directory.
@@ -333,19 +392,27 @@ class Remote:
         if start >= end:
             return b""
         full = self.full(key)
+        # A version fixes the size, and callers ask only within it: fewer bytes than asked is a
+        # response cut short, retried like any transient failure, never handed on.
+        want = end - start if version else None
         if self._direct is not None and (not version or version.startswith("e")):
-            data = self._call("get", self._get_direct, full, start, end, version[1:] if version else None)
+            data = self._call("get", _exactly(want, self._get_direct), full, start, end,
+                              version[1:] if version else None)
         elif version and self.protocol in ("s3", "s3a") and version.startswith("e"):
-            data = self._call("get", self._s3_get_if_match, full, start, end, version[1:])
+            data = self._call("get", _exactly(want, self._s3_get_if_match), full, start, end, version[1:])
         elif version and self.protocol in ("gs", "gcs") and version.startswith("g"):
             try:
-                data = self._call("get", fsspec.asyn.sync, self.fs.loop, self.fs._cat_file_sequential,
-                                  full, start=start, end=end, generation=version[1:])
+                data = self._call("get", _exactly(want, fsspec.asyn.sync), self.fs.loop,
+                                  self.fs._cat_file_sequential, full, start=start, end=end,
+                                  generation=version[1:])
             except FileNotFoundError:
                 raise StaleVersionError(f"{self.url}: {key} is no longer generation {version[1:]}") from None
         else:
-            data = self._call("get", self.fs.cat_file, full, start=start, end=end)
-            if version and self.stat(key).version != version:
+            def changed() -> bool:  # a shorter object is a new version, not a cut-short response
+                return bool(version) and self.stat(key).version != version
+
+            data = self._call("get", _exactly(want, self.fs.cat_file, changed), full, start=start, end=end)
+            if changed():
                 raise StaleVersionError(f"{self.url}/{key} changed while it was read")
         self.stats.add_bytes(bytes_in=len(data))
         return data
@@ -527,6 +594,28 @@ class Remote:
             pass
 
 
+class TruncatedResponse(ConnectionError):
+    """A read returned fewer bytes than asked without an error: retried like a dropped connection."""
+
+
+def _exactly(size: int | None, fn: Callable[..., bytes],
+             changed: Callable[[], bool] | None = None) -> Callable[..., bytes]:
+    """``fn`` (a ranged read) that fails, retryably, when it returns other than ``size`` bytes
+    (None: any number)."""
+    if size is None:
+        return fn
+
+    def read(*args: Any, **kwargs: Any) -> bytes:
+        data = fn(*args, **kwargs)
+        if len(data) != size:
+            if changed is not None and changed():
+                raise StaleVersionError(f"object changed: {len(data)} of {size} bytes")
+            raise TruncatedResponse(f"short read: {len(data)} of {size} bytes")
+        return data
+
+    return read
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -561,8 +650,8 @@ def is_precondition_failure(exc: BaseException) -> bool:
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                        NotADirectoryError, UsageError)):
-        return False
+                        NotADirectoryError, UsageError, StaleVersionError)):
+        return False  # (a StaleVersionError carries the store's 412 in its context: an answer)
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     for cls in type(exc).__mro__:

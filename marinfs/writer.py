@@ -71,11 +71,11 @@ class StagedFile:
         self.seeded = seed is None
         self.base_size = base_size  # the remote size, valid until seeded
         self.dirty = False
+        self.unlinked = False
         if dirty:  # a new or truncated file: it is committed even if nothing is written
             self._mark_dirty()
         self.mtime_ns = time.time_ns()
         self.refs = 0
-        self.unlinked = False
         self.failed_write = 0  # errno of a write that did not reach the staging file
         self.kept = False
         self.stream: PartStream | None = None
@@ -135,7 +135,7 @@ class StagedFile:
 
     def _mark_dirty(self) -> None:
         self.dirty = True
-        if self._journaled or self.remote_url is None:
+        if self._journaled or self.remote_url is None or self.unlinked:
             return
         write_journal(self.journal_path, {"remote": self.remote_url, "key": self.key,
                                           "base_version": self.base_version, "data": os.path.basename(self.path)})
@@ -149,6 +149,20 @@ class StagedFile:
             if self._journaled:
                 self._journaled = False
                 self._mark_dirty()
+
+    def keep_old_bytes(self) -> None:
+        """The object is about to go (unlinked, or replaced by a rename): fetch the bytes not
+        fetched yet, so open descriptors keep them, as on a local disk."""
+        with self.lock:
+            self._ensure_seeded()
+
+    def mark_unlinked(self) -> None:
+        """Its name is gone (unlinked, or replaced by a rename): the bytes stay usable through
+        open descriptors but are never committed, so no journal may commit them after a crash."""
+        with self.lock:
+            self.unlinked = True
+            self._end_stream()  # its upload would recreate the name
+            self._drop_journal()
 
     def _drop_journal(self) -> None:
         if self._journaled:

@@ -61,12 +61,20 @@ def force_unmount(mnt: Path) -> None:
             time.sleep(0.05)
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie: an exited daemon is no longer our child, so whoever adopted it
+    (PID 1 in a container may reap only now and then) decides when it disappears."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def _stop_pid(pid: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
