@@ -32,7 +32,8 @@ import fsspec.config
 from marinfs.config import RemoteSettings
 from marinfs.directget import DirectGet
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
-from marinfs.uploads import ABSENT, S3_MAX_PARTS, GCSSession, PartSession, S3Session, upload_file
+from marinfs.uploads import (ABSENT, S3_MAX_PARTS, GCSSession, PartSession, S3Session, gcs_match, s3_match,
+                             upload_file)
 
 log = logging.getLogger(__name__)
 
@@ -496,13 +497,11 @@ class Remote:
             data = f.read()
         bucket, path, _ = self.fs.split_path(self.full(key))
         if self.protocol in ("s3", "s3a"):
-            match = {} if expect is None else (
-                {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": f'"{expect[1:]}"'})
             out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
-                             Bucket=bucket, Key=path, Body=data, **match)
+                             Bucket=bucket, Key=path, Body=data, **s3_match(expect))
             etag = out.get("ETag")
             return f"e{etag.strip(chr(34))}" if etag else None
-        params = {} if expect is None else {"ifGenerationMatch": "0" if expect == ABSENT else expect[1:]}
+        params = gcs_match(expect)
         try:
             out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call, "POST",
                              f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",

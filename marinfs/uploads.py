@@ -63,7 +63,7 @@ class S3Session:
                  run: Runner, sent: Counter = lambda n: None) -> None:
         self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
         self._sent = sent
-        self.match = _s3_match(expect)
+        self.match = s3_match(expect)
         self.etags: dict[int, str] = {}
         self._lock = threading.Lock()
         out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)))
@@ -106,7 +106,7 @@ class GCSSession:
         self.part_size = part_size
         self.result: dict[str, Any] | None = None
         self.sent = 0
-        params = _gcs_match(expect)
+        params = gcs_match(expect)
 
         async def initiate() -> str:
             headers, _ = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
@@ -165,7 +165,8 @@ def _json(text: Any) -> dict[str, Any] | None:
         return None
 
 
-def _s3_match(expect: str | None) -> dict[str, str]:
+def s3_match(expect: str | None) -> dict[str, str]:
+    """Request parameters that make an S3 write replace exactly ``expect`` (None: anything)."""
     if expect is None:
         return {}
     if expect == ABSENT:
@@ -175,7 +176,8 @@ def _s3_match(expect: str | None) -> dict[str, str]:
     raise ValueError(f"not an S3 version: {expect}")
 
 
-def _gcs_match(expect: str | None) -> dict[str, str]:
+def gcs_match(expect: str | None) -> dict[str, str]:
+    """Query parameters that make a GCS write replace exactly ``expect`` (None: anything)."""
     if expect is None:
         return {}
     if expect == ABSENT:

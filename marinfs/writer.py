@@ -180,7 +180,7 @@ class StagedFile:
             self.stream = None
 
     def commit(self, upload: Callable[[str, str, str | None], str | None],
-               key: str | None = None, conditional: bool = True) -> str | None:
+               key: str | None = None) -> str | None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error, and
         PreconditionFailed when the remote object is no longer the one the writer started from.
         ``key`` commits elsewhere (a conflict copy). Answers the new version if known."""
@@ -190,11 +190,11 @@ class StagedFile:
             if self.failed_write:
                 raise OSError(self.failed_write, f"a write to {self.key} failed; not committed")
             self._ensure_seeded()
-            expect = (self.expected if conditional else None) if key is None else ABSENT
+            expect = self.expected if key is None else ABSENT
             stream, self.stream = self.stream, None  # one stream per staged file: later commits upload whole
             done, version = False, None
             if stream is not None:
-                if key is None and conditional:
+                if key is None:
                     done, version = stream.finish(os.fstat(self.fd).st_size)
                 else:
                     stream.abort()

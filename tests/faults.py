@@ -25,6 +25,16 @@ from types import TracebackType
 from typing import Any
 
 
+def listener(backlog: int) -> socket.socket:
+    """A loopback socket on a free port whose accept() wakes up to check for a stop."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(backlog)
+    server.settimeout(0.2)
+    return server
+
+
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target``; ``wedged`` stalls every byte in both directions."""
 
@@ -32,11 +42,7 @@ class TcpProxy:
         self.target = (target_host, target_port)
         self.wedged = threading.Event()
         self._stop = threading.Event()
-        self._server = socket.socket()
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(64)
-        self._server.settimeout(0.2)
+        self._server = listener(64)
         self.port = self._server.getsockname()[1]
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
@@ -266,11 +272,7 @@ class HttpFaultProxy:
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._server = socket.socket()
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(128)
-        self._server.settimeout(0.2)
+        self._server = listener(128)
         self.port = self._server.getsockname()[1]
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()

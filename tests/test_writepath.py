@@ -323,6 +323,19 @@ def test_gcs_commits_carry_the_generation_precondition(request: pytest.FixtureRe
 
 
 # -- through a mount --------------------------------------------------------------------------
+def _store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> tuple[str, dict[str, str], Any, str]:
+    """A fresh prefix to mount: (URL, the daemon's environment, a direct client, its root)."""
+    if backend == "local":
+        url = str(tmp_path / "remote")
+        os.mkdir(url)
+        options: dict = {}
+        env: dict[str, str] = {}
+    else:
+        url, options, env = object_store(request, backend)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    return url, env, client, root
+
+
 def _writer_order_script(mnt: Path, n: int) -> str:
     return (f"import os\nfor i in range({n}):\n"
             f"    with open('{mnt}/data-%d.bin' % i, 'wb') as f: f.write(os.urandom({3 * MiB}))\n"
@@ -332,14 +345,7 @@ def _writer_order_script(mnt: Path, n: int) -> str:
 @pytest.mark.parametrize("backend", ["local", "s3", "gcs"])
 def test_a_marker_written_last_is_never_seen_before_its_data(request: pytest.FixtureRequest,
                                                              tmp_path: Path, backend: str) -> None:
-    if backend == "local":
-        url = str(tmp_path / "remote")
-        os.mkdir(url)
-        options: dict = {}
-        env: dict[str, str] = {}
-    else:
-        url, options, env = object_store(request, backend)
-    client, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    url, env, client, root = _store(request, backend, tmp_path)
     n, violations, checks = 4, [], []
     stop = threading.Event()
 
@@ -368,14 +374,7 @@ def test_a_marker_written_last_is_never_seen_before_its_data(request: pytest.Fix
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_estale_through_the_mount(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
-    if backend == "local":
-        url = str(tmp_path / "remote")
-        os.mkdir(url)
-        options: dict = {}
-        env: dict[str, str] = {}
-    else:
-        url, options, env = object_store(request, backend)
-    client, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    url, env, client, root = _store(request, backend, tmp_path)
     client.pipe_file(f"{root}/metadata.json", b'{"v": 1}')
     mnt = tmp_path / "mnt"
     with subprocess_mount(url, mnt, tmp_path / "cache", env=env):
@@ -487,14 +486,7 @@ def _wait_gone(pid: int, timeout: float) -> float:
 def test_sigterm_commits_files_still_open(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
     """systemd stops the daemon while a job still has a file open: the stop drains, so the
     bytes written so far are committed before the daemon exits."""
-    if backend == "local":
-        url = str(tmp_path / "remote")
-        os.mkdir(url)
-        options: dict = {}
-        env: dict[str, str] = {}
-    else:
-        url, options, env = object_store(request, backend)
-    client, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    url, env, client, root = _store(request, backend, tmp_path)
     mnt = tmp_path / "mnt"
     with subprocess_mount(url, mnt, tmp_path / "cache", env=env) as pid:
         writer = _hold_open_writer(mnt / "log.txt", 3 * MiB)
