@@ -1060,7 +1060,6 @@ def main() -> None:
         table = render_table(rows, res, tools_used)
         checks = check_targets(rows, res)
         print("\n" + table + "\n\n" + render_checks(checks) + "\n\n" + render_failures(res))
-        pngs = charts(rows, res, tools_used, a.charts)
         noise = render_noise(rows, res)
         out = {"config": {"size_mib": a.size_mib, "write_mib": a.size_mib // 2, "randoms": a.randoms,
                           "files": a.files, "stats": a.stats, "tree": a.tree, "reps": a.reps, "only": only},
@@ -1068,10 +1067,12 @@ def main() -> None:
                "rows": [r.__dict__ for r in rows], "results": res.to_json(), "targets": checks,
                "table": table, "targets_table": render_checks(checks), "failures": render_failures(res),
                "spread_table": noise, "loadavg": {"start": load_start, "end": Path("/proc/loadavg").read_text().split()[:3]},
-               "charts": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in pngs],
                "seconds": {**env.bench_seconds, "total": elapsed},
                "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")  # first: a chart failure loses no figures
+        pngs = charts(rows, res, tools_used, a.charts)
+        out["charts"] = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in pngs]
         a.out.write_text(json.dumps(out, indent=1) + "\n")
         a.out.with_suffix(".md").write_text(
             f"Run finished {out['finished']} in {elapsed:.0f} s; load average at start {' '.join(load_start)}, "
