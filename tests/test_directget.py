@@ -1,6 +1,6 @@
-"""Ranged GETs on plain threads (marinfs/directget.py): every answer a server can give becomes
-the error the rest of marinfs expects, against a tiny HTTP server on loopback; and on SeaweedFS
-the same bytes and version checks as the s3fs path."""
+"""Ranged GETs and small PUTs on plain threads (marinfs/directget.py): every answer a server
+can give becomes the error the rest of marinfs expects, against a tiny HTTP server on loopback;
+and on SeaweedFS the same bytes, version checks and preconditions as the s3fs path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from marinfs.directget import DirectGet
-from marinfs.errors import StaleVersionError
+from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.remote import Remote
+from marinfs.uploads import ABSENT
 
 BODY = bytes(range(256)) * 4
 
@@ -51,6 +52,18 @@ class Scripted(http.server.BaseHTTPRequestHandler):
         else:
             self._send(int(action), b"<Error/>")
 
+    def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+        Scripted.seen.append(dict(self.headers))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        action = Scripted.script.pop(0) if Scripted.script else "200"
+        if action == "200":
+            self.send_response(200)
+            self.send_header("ETag", f'"etag-of-{len(body)}"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self._send(int(action), b"<Error/>")
+
     def _send(self, status: int, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
@@ -72,8 +85,8 @@ def server() -> Iterator[str]:
 
 
 def getter(base: str, signed: list[str]) -> DirectGet:
-    def presign(full: str, expires: int) -> str:
-        signed.append(full)
+    def presign(full: str, expires: int, method: str) -> str:
+        signed.append(full if method == "get_object" else f"{method} {full}")
         return f"{base}/{full}?X-Amz-Signature={len(signed)}"
 
     return DirectGet(presign, connect_timeout=1, read_timeout=0.5)
@@ -143,3 +156,47 @@ def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any, monkeypatch: pyte
     direct.fs.pipe_file(direct.full("obj"), b"replaced")
     with pytest.raises(StaleVersionError):
         direct.read_range("obj", 0, 4, version)
+
+
+def test_put_answers_the_etag_and_maps_statuses(server: str) -> None:
+    signed: list[str] = []
+    g = getter(server, signed)
+    assert g.put("b/new", b"12345", {"If-None-Match": "*"}) == "etag-of-5"
+    assert Scripted.seen[-1]["If-None-Match"] == "*" and signed == ["put_object b/new"]
+    for status, error in (("412", PreconditionFailed), ("503", ConnectionError), ("409", ConnectionError),
+                          ("404", FileNotFoundError), ("400", OSError)):
+        Scripted.script = [status]
+        with pytest.raises(error):
+            g.put("b/new", b"x", {})
+    Scripted.script = ["403"]
+    assert g.put("b/new", b"xy", {}) == "etag-of-2" and len(signed) == 2  # signed again once
+
+
+def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Any) -> None:
+    """The direct PUT keeps every rule of the s3fs one: the version it answers is the one a
+    stat sees, If-None-Match/If-Match are enforced by the server, and a PUT retried after its
+    answer was lost (it finds its own bytes) is not a conflict."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
+    plain = Remote(url, s3_server.storage_options())
+    monkeypatch.delenv("MARINFS_DIRECT_GET")
+    direct = Remote(url, s3_server.storage_options())
+    assert direct._direct is not None and plain._direct is None
+    src = tmp_path / "src"
+    for remote, name in ((direct, "d"), (plain, "p")):
+        src.write_bytes(b"first " + name.encode())
+        remote.stats.reset()
+        v1 = remote.upload(str(src), name, ABSENT)
+        assert remote.stats.count("put") == 1 and remote.stats.count("head") == 0
+        assert v1 == remote.stat(name).version and remote.fs.cat_file(remote.full(name)) == b"first " + name.encode()
+        remote.upload(str(src), name, ABSENT)  # the same bytes again: ours, not a conflict
+        src.write_bytes(b"second")
+        with pytest.raises(PreconditionFailed):
+            remote.upload(str(src), name, ABSENT)  # someone else's bytes are there
+        v2 = remote.upload(str(src), name, v1)
+        assert v2 == remote.stat(name).version != v1
+        src.write_bytes(b"third")
+        with pytest.raises(PreconditionFailed):
+            remote.upload(str(src), name, v1)  # the version it started from is gone
+        assert remote.fs.cat_file(remote.full(name)) == b"second"
