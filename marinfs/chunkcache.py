@@ -6,6 +6,12 @@ A chunk is ``chunk_size`` bytes of one object version, stored as one file named 
 never be served old bytes. Files are written under a temporary name and renamed, and enter the
 index only once complete, so a crash or a full disk never leaves a chunk that looks present.
 
+Chunks are written with O_DIRECT where the filesystem allows it. Buffered writes of a cold
+read's 1 GiB dirty the page cache faster than writeback drains it, and the kernel then throttles
+every writer to the disk's writeback speed: measured here, 4.4 GB/s for the first ~800 MiB,
+then 400 MiB/s, which capped cold reads. O_DIRECT writes ran at 1.7-2.0 GB/s sustained, and
+the page cache is left to the FUSE files themselves (no second copy of every chunk in memory).
+
 INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariants`): space is
 reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk
 that cannot fit is simply not cached.
@@ -17,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -82,6 +89,8 @@ class ChunkCache:
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(cache_dir, 0o700)
         self.dir.mkdir(exist_ok=True, mode=0o700)
+        self._direct_io = hasattr(os, "O_DIRECT")
+        self._local = threading.local()  # each writing thread's aligned O_DIRECT buffer
         self._lock_fd: int | None = None
         if lock:
             self._lock_fd = acquire_lock(cache_dir)
@@ -206,8 +215,10 @@ class ChunkCache:
         try:
             sub.mkdir(exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(prefix="tmp", dir=sub)  # 0600
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            try:
+                self._write(fd, data)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
             if tmp:
@@ -223,6 +234,31 @@ class ChunkCache:
             self._reserved -= size
             self._index[ikey] = _Entry(path, size, crc, verified=True)
         return True
+
+    def _write(self, fd: int, data: bytes) -> None:
+        """All of ``data`` to ``fd``: the block-aligned bulk with O_DIRECT (from an aligned
+        buffer, as it requires), the tail and any filesystem without O_DIRECT buffered."""
+        view = memoryview(data)
+        bulk = len(data) - len(data) % _ALIGN if self._direct_io else 0
+        if bulk:
+            buf = getattr(self._local, "buf", None)
+            if buf is None or len(buf) < bulk:
+                buf = self._local.buf = mmap.mmap(-1, max(bulk, 8 << 20))  # page-aligned
+            buf[:bulk] = view[:bulk]
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+                _write_all(fd, memoryview(buf)[:bulk])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_io = False  # this filesystem does not do O_DIRECT: buffered from now on
+                log.info("chunk cache %s: no O_DIRECT (%s); buffered writes", self.dir, exc)
+                os.ftruncate(fd, 0)
+                bulk = 0
+            finally:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        _write_all(fd, view[bulk:], offset=bulk)
 
     def _evict_locked(self, incoming: int) -> bool:
         """Make room for ``incoming`` bytes under the size limit and the free-space floor."""
@@ -268,6 +304,15 @@ class ChunkCache:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+_ALIGN = 4096  # O_DIRECT wants block-aligned sizes and buffers; 4 KiB suits every common disk
+
+
+def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def acquire_lock(cache_dir: Path) -> int:

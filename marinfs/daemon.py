@@ -68,8 +68,11 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(cfg.cache_dir, 0o700)
     cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
+    # Chunks fetched ahead of a reader wait in memory until it reads them: room for a full
+    # readahead window and the fetches in flight, else they are read back from the disk cache.
+    ahead = (cfg.max_readahead_chunks + cfg.prefetch_workers) * cfg.chunk_size
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
-                           workers=cfg.prefetch_workers)
+                           workers=cfg.prefetch_workers, memory_bytes=max(64 << 20, ahead))
     _recover(cfg.cache_dir / "staging", remote, failed := [])
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)

@@ -1,12 +1,23 @@
 """Reads of object versions: chunk lookup in the cache, parallel ranged fetches, sequential
 readahead that grows and resets on a seek, single-flight.
 
-An object is read in fixed-size chunks (one ranged GET each). A chunk comes from the small
-in-memory LRU of recently fetched chunks, else the on-disk :class:`ChunkCache`, else the
-remote; concurrent readers of one chunk share one GET. While a handle reads sequentially,
-chunks ahead of it are fetched in parallel by a bounded pool, the window doubling up to
-``max_window`` chunks; any seek resets it. Memory stays bounded: in-flight fetches are at most
-``workers`` chunks and the memory LRU is capped in bytes.
+An object is read in fixed-size chunks. A chunk comes from the small in-memory LRU of recently
+fetched chunks, else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
+one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
+parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
+chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
+a read after a seek) gets it as ``split`` parallel sub-range GETs: one stream of a loopback
+object store delivers 8 MiB in about twice the time parallel streams do.
+
+A handle that reads at random but densely (it has touched an eighth of a file's chunks: a model
+loaded through mmap, tensor by tensor, out of file order) will read most of the file: its other
+chunks are fetched in the background, file order, when the disk cache can hold the whole file
+twice over. At worst that fetches eight times what the reader had asked for already.
+
+Memory stays bounded: in-flight fetches are at most ``workers`` chunks (plus one split demand
+chunk per reading thread) and the memory LRU is capped in bytes; without a disk cache the
+readahead window is capped to what that LRU holds, so prefetched chunks are not evicted before
+they are read.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ class ChunkFetcher:
     """Shared by all handles of a mount: chunk sources, single-flight and the prefetch pool."""
 
     def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
-                 workers: int = 8, memory_bytes: int = 64 << 20) -> None:
+                 workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4) -> None:
         self.fetch = fetch
         self.cache = cache
         self.chunk_size = chunk_size
@@ -50,6 +61,16 @@ class ChunkFetcher:
         self._memory: LRUCache[ChunkKey, bytes] = LRUCache(maxsize=max(memory_bytes, chunk_size), getsizeof=len)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
         self.workers = workers
+        # Sub-ranges of at least 1 MiB: smaller GETs cost more in requests than they save.
+        self.split = max(1, min(split, chunk_size >> 20))
+        self._split_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="demand")
+        # Readahead beyond what the memory LRU holds would evict chunks before they are read
+        # when there is no disk cache to keep them.
+        self.window_cap = max(1, self._memory.maxsize // chunk_size // 2) if cache is None else None
+
+    def sweep_allowed(self, size: int) -> bool:
+        """Whether the disk cache can keep a whole object of ``size`` bytes (twice over)."""
+        return self.cache is not None and 2 * size <= self.cache.max_bytes
 
     def chunk_key(self, obj: ObjectRef, index: int) -> ChunkKey:
         return ChunkKey(obj.url, obj.version, index)
@@ -69,7 +90,7 @@ class ChunkFetcher:
         if future is None:
             future, owner = self._claim(ck)
             if owner:
-                self._run(obj, index, ck, future)  # a demand read fetches in its own thread
+                self._run(obj, index, ck, future, demand=True)  # in this thread, split
         return future.result()[offset:offset + size]
 
     def prefetch(self, obj: ObjectRef, index: int) -> None:
@@ -100,11 +121,25 @@ class ChunkFetcher:
             self._inflight[ck] = future
             return future, True
 
-    def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes]) -> None:
+    def _fetch_split(self, obj: ObjectRef, start: int, end: int) -> bytes:
+        """``[start, end)`` as up to ``split`` parallel GETs, the first one in this thread."""
+        step = -(-(end - start) // self.split)
+        if self.split == 1 or step < (1 << 20):
+            return self.fetch(obj.key, start, end, obj.version)
+        bounds = [(lo, min(end, lo + step)) for lo in range(start, end, step)]
+        rest = [self._split_pool.submit(self.fetch, obj.key, lo, hi, obj.version) for lo, hi in bounds[1:]]
+        try:
+            first = self.fetch(obj.key, *bounds[0], obj.version)
+            return b"".join([first, *(f.result() for f in rest)])
+        finally:
+            for f in rest:
+                f.cancel()
+
+    def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False) -> None:
         start = index * self.chunk_size
         end = min(obj.size, start + self.chunk_size)
         try:
-            data = self.fetch(obj.key, start, end, obj.version)
+            data = self._fetch_split(obj, start, end) if demand else self.fetch(obj.key, start, end, obj.version)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
@@ -122,6 +157,7 @@ class ChunkFetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._split_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class ObjectReader:
@@ -130,11 +166,17 @@ class ObjectReader:
     def __init__(self, obj: ObjectRef, fetcher: ChunkFetcher, max_window: int = 32) -> None:
         self.obj = obj
         self._fetcher = fetcher
-        self._max_window = max_window
+        cap = fetcher.window_cap
+        self._max_window = max_window if cap is None else min(max_window, cap)
         self._lock = threading.Lock()
         self._next = 0  # where a sequential reader reads next
         self._window = 0  # chunks to keep in flight ahead of the reader
         self._ahead = -1  # the last chunk index already asked for ahead of the reader
+        chunks = -(-obj.size // fetcher.chunk_size)
+        # Random reads touching this many distinct chunks start the sweep (None: never).
+        self._dense_at = max(4, chunks // 8) if chunks > 4 and fetcher.sweep_allowed(obj.size) else None
+        self._touched: set[int] = set()
+        self._sweep: int | None = None  # the next chunk the sweep asks for
 
     def read(self, size: int, offset: int) -> bytes:
         obj, cs = self.obj, self._fetcher.chunk_size
@@ -154,7 +196,10 @@ class ObjectReader:
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
             start = max(last + 1, self._ahead + 1) if window else last + 1
             self._ahead = max(self._ahead, last + window) if window else last
+            sweep = self._next_sweep(first, last, random=not window)
         for index in range(start, last + 1 + window):
+            self._fetcher.prefetch(obj, index)
+        for index in sweep:
             self._fetcher.prefetch(obj, index)
         if first == last:
             return self._fetcher.read(obj, first, offset - first * cs, end - offset)
@@ -164,3 +209,19 @@ class ObjectReader:
             hi = min(end, (index + 1) * cs) - index * cs
             parts.append(self._fetcher.read(obj, index, lo, hi - lo))
         return b"".join(parts)
+
+    def _next_sweep(self, first: int, last: int, random: bool) -> range:
+        """Chunks the dense-random sweep asks for now: it keeps about ``workers`` ahead of
+        what it asked last, so a burst of random reads is never queued behind the whole file."""
+        if self._dense_at is None:
+            return range(0)
+        if self._sweep is None:
+            if random:
+                self._touched.update(range(first, last + 1))
+            if len(self._touched) < self._dense_at:
+                return range(0)
+            self._sweep, self._touched = 0, set()
+        chunks = -(-self.obj.size // self._fetcher.chunk_size)
+        lo, hi = self._sweep, min(chunks, self._sweep + max(1, self._fetcher.workers // 2))
+        self._sweep = hi
+        return range(lo, hi)
