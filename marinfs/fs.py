@@ -75,8 +75,10 @@ class Filesystem:
                  list_prefetch: bool = False) -> None:
         self.remote = remote
         self.metadata = metadata or MetadataCache()
-        # Background listings (see listings.py): they pay off where a request costs milliseconds.
-        self.prefetch = ListingPrefetcher(remote, self.metadata) if list_prefetch else None
+        # Background listings (see listings.py): they pay off where a request costs milliseconds,
+        # and only if the cache may keep what they fetch.
+        keeps = self.metadata.ttl > 0 or self.metadata.list_ttl > 0
+        self.prefetch = ListingPrefetcher(remote, self.metadata) if list_prefetch and keeps else None
         self.staging_dir = staging_dir
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)

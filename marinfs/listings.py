@@ -41,23 +41,26 @@ class ListingPrefetcher:
         self._pending: dict[str, Future[list[ObjectInfo] | None]] = {}
         self._closed = False
         ttl = metadata.list_ttl or metadata.ttl or 1.0
-        # Directory -> lookups that missed the cache there lately.
-        self._missed: TTLCache[str, int] = TTLCache(4096, ttl)
+        # Directory -> names whose lookups missed the cache there, since the first one's TTL
+        # began: distinct names, so a poll of one status file never lists its directory.
+        self._missed: TTLCache[str, set[str]] = TTLCache(4096, ttl)
         # Directories whose last listing was dropped as overtaken: we are writing there, and
         # listing again at once would likely be wasted too.
         self._cooldown: TTLCache[str, bool] = TTLCache(4096, ttl)
-        # Parent -> its subdirectories a walker has not reached and we have not listed yet.
-        self._walks: TTLCache[str, deque[str]] = TTLCache(256, ttl)
+        # Parent -> (its subdirectories not listed yet, those listed ahead of the walker).
+        self._walks: TTLCache[str, tuple[deque[str], set[str]]] = TTLCache(256, ttl)
 
     def note_miss(self, key: str) -> None:
         """A lookup of ``key`` goes to the remote: the ``misses``-th in its directory lists it."""
         parent = posixpath.dirname(key)
         with self._lock:
-            count = self._missed.get(parent, 0) + 1
-            if count < self.misses:
-                self._missed[parent] = count
+            names = self._missed.get(parent)
+            if names is None:
+                names = self._missed[parent] = set()
+            names.add(key)
+            if len(names) < self.misses:
                 return
-            self._missed.pop(parent, None)
+            del self._missed[parent]
         self.schedule(parent)
 
     def walked_into(self, key: str) -> None:
@@ -68,21 +71,27 @@ class ListingPrefetcher:
             return
         parent = posixpath.dirname(key)
         with self._lock:
-            todo = self._walks.get(parent)
-            if todo is not None:
-                self._start(todo, 1)
+            walk = self._walks.get(parent)
+            if walk is not None:
+                if key in walk[1]:  # reached one we listed ahead: keep the window full
+                    walk[1].discard(key)
+                    self._start(walk, 1)
                 return
         siblings = self._metadata.get_listing(parent)
         if siblings is None:
             return
-        todo = deque(c.name for c in siblings if c.is_dir and c.name != key)
+        walk = (deque(c.name for c in siblings if c.is_dir and c.name != key), set())
         with self._lock:
-            self._walks[parent] = todo
-            self._start(todo, self.ahead)
+            self._walks[parent] = walk
+            self._start(walk, self.ahead)
 
-    def _start(self, todo: deque[str], n: int) -> None:
+    def _start(self, walk: tuple[deque[str], set[str]], n: int) -> None:
+        todo, started = walk
         while todo and n > 0:
-            n -= self.schedule(todo.popleft())
+            name = todo.popleft()
+            if self.schedule(name):
+                started.add(name)
+                n -= 1
 
     def schedule(self, key: str) -> bool:
         """Start a background listing of ``key`` unless it is cached, in flight or over the cap."""

@@ -15,6 +15,7 @@ import pytest
 
 from marinfs.errors import RemoteError
 from marinfs.fs import Filesystem
+from marinfs.metadata import MetadataCache
 from marinfs.remote import ObjectInfo, Remote
 
 
@@ -80,6 +81,22 @@ def test_stats_of_many_children_are_answered_from_one_background_listing(
         assert (heads, lists) == (201, 0)
 
 
+def test_a_poll_of_one_file_never_lists_its_directory(remote: Remote, tmp_path: Path) -> None:
+    for i in range(50):
+        put(remote, f"d/f{i:02d}")
+    now = [1000.0]
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", list_prefetch=True,
+                    metadata=MetadataCache(ttl=5.0, timer=lambda: now[0]))
+    fs.getattr("/d")
+    remote.stats.reset()
+    for _ in range(10):
+        now[0] += 6  # the stat expired: each poll is a miss, always of the same name
+        fs.getattr("/d/f07")
+    assert fs.prefetch is not None
+    fs.prefetch.drain()
+    assert (remote.stats.count("head"), remote.stats.count("list")) == (10, 0)
+
+
 def test_a_walk_lists_every_directory_once_and_ahead_of_the_walker(remote: Remote, tmp_path: Path) -> None:
     for i in range(100):
         put(remote, f"t/arrays/a{i:03d}/c.0")
@@ -106,6 +123,10 @@ def test_a_walk_lists_every_directory_once_and_ahead_of_the_walker(remote: Remot
     fs.readdir("/" + order[0])
     fs.prefetch.drain()
     assert [fs.metadata.has_listing(k) for k in order[1:11]] == [True] * 10
+    assert not fs.metadata.has_listing(order[11])
+    # Reading a directory again is no walk: nothing more is listed ahead.
+    fs.readdir("/" + order[0])
+    fs.prefetch.drain()
     assert not fs.metadata.has_listing(order[11])
     # Each directory it reaches lists one more; nothing is listed twice.
     assert walk("/t") == 200
