@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metadata-ttl", type=float, help="seconds a stat is trusted (5)")
     m.add_argument("--negative-ttl", type=float, help="seconds a 'does not exist' is trusted (1)")
     m.add_argument("--list-ttl", type=float, help="seconds a directory listing is trusted (--metadata-ttl)")
+    m.add_argument("--list-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="list directories ahead of lookups and walkers, object stores only (on)")
     m.add_argument("--immutable", action="append", metavar="GLOB",
                    help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'")
     m.add_argument("--mount-timeout", type=float)

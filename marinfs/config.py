@@ -81,6 +81,9 @@ class MountConfig:
     list_ttl: float | None = None  # None: the same as metadata_ttl
     # Globs of paths whose objects never change once written: cached without revalidation.
     immutable: tuple[str, ...] = ()
+    # Object stores: list a directory in the background once its lookups keep missing, and
+    # list a walker's next subdirectories ahead of it (docs/semantics.md).
+    list_prefetch: bool = True
     # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
     chunk_size: int = 8 << 20
     # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.

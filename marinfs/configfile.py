@@ -177,6 +177,7 @@ SCHEMA: dict[str, Callable[[object, str | None], Any]] = {
     "metadata_ttl": _seconds,
     "negative_ttl": _seconds,
     "list_ttl": _seconds,
+    "list_prefetch": _bool,
     "immutable": _globs,
     "mount_timeout": _seconds,
     "drain_timeout": _seconds,

@@ -78,7 +78,8 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
                     read_only=cfg.read_only, fetcher=fetcher,
-                    max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout)
+                    max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout,
+                    list_prefetch=cfg.list_prefetch and remote.object_store)
     fs.failed_commits.extend(failed)
     return fs
 
@@ -224,6 +225,7 @@ def start_background(cfg: MountConfig) -> Path:
     if cfg.log_file:
         argv += ["--log-file", cfg.log_file]
     argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
+    argv += ["--no-list-prefetch"] * (not cfg.list_prefetch)
     env = dict(os.environ)
     env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))
     with open(log_file, "ab") as out:

@@ -23,6 +23,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
+from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
 from marinfs.recovery import conflict_name
@@ -70,9 +71,14 @@ class Filesystem:
 
     def __init__(self, remote: Remote, staging_dir: Path, metadata: MetadataCache | None = None,
                  read_only: bool = False, fetcher: ChunkFetcher | None = None,
-                 max_readahead_chunks: int = 32, drain_timeout: float = 300.0) -> None:
+                 max_readahead_chunks: int = 32, drain_timeout: float = 300.0,
+                 list_prefetch: bool = False) -> None:
         self.remote = remote
         self.metadata = metadata or MetadataCache()
+        # Background listings (see listings.py): they pay off where a request costs milliseconds,
+        # and only if the cache may keep what they fetch.
+        keeps = self.metadata.ttl > 0 or self.metadata.list_ttl > 0
+        self.prefetch = ListingPrefetcher(remote, self.metadata) if list_prefetch and keeps else None
         self.staging_dir = staging_dir
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
@@ -106,6 +112,8 @@ class Filesystem:
             return info
         if self.metadata.is_missing(key) or self.metadata.listed_missing(key):
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
+        if self.prefetch is not None:
+            self.prefetch.note_miss(key)
         try:
             info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
         except FileNotFoundError:
@@ -136,9 +144,16 @@ class Filesystem:
         if not self.lookup(key).is_dir:
             raise FsError(errno.ENOTDIR, key)
         children = self.metadata.get_listing(key)
+        if children is None and self.prefetch is not None:
+            children = self.prefetch.wait(key)
         if children is None:
-            children = self.remote.list(key)
-            self.metadata.put_listing(key, children)
+            token = self.metadata.begin_listing(key)
+            try:
+                children = self.remote.list(key)
+            finally:
+                self.metadata.end_listing(key, token, children)
+        if self.prefetch is not None:
+            self.prefetch.walked_into(key)
         names = {posixpath.basename(c.name) for c in children}
         with self._lock:
             pending = [s for k, s in self._staged.items() if posixpath.dirname(k) == key]
@@ -553,6 +568,8 @@ class Filesystem:
     def close_all(self) -> None:
         """Release every handle (unmount): commits what can be committed within the drain
         timeout; what is left stays staged with its journal for the next start to commit."""
+        if self.prefetch is not None:
+            self.prefetch.close()  # nothing will read ahead any more
         worker = threading.Thread(target=self._close_all, name="marinfs-drain", daemon=True)
         worker.start()
         worker.join(self.drain_timeout)

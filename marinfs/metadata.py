@@ -8,6 +8,7 @@ versioned artifacts: objects that never change once written) keep their stat unt
 
 from __future__ import annotations
 
+import itertools
 import posixpath
 import re
 import threading
@@ -67,6 +68,10 @@ class MetadataCache:
         # Whether a key was a directory when last seen, kept past every TTL: a hint that makes
         # revalidating a known directory one request instead of two.
         self._was_dir: LRUCache[str, bool] = LRUCache(maxsize)
+        # Directory -> tokens of its listings in flight that no local change has overtaken yet
+        # (see begin_listing). Entries live only while a listing is in flight.
+        self._fetching: dict[str, set[int]] = {}
+        self._tokens = itertools.count(1)
 
     def was_dir(self, key: str) -> bool:
         with self._lock:
@@ -117,13 +122,52 @@ class MetadataCache:
             children = self._listings.get(key)
             return None if children is None else list(children.values())
 
-    def put_listing(self, key: str, children: Iterable[ObjectInfo]) -> None:
-        listing = {c.name: c for c in children}
+    def has_listing(self, key: str) -> bool:
         with self._lock:
-            for info in listing.values():
-                self._put_locked(info)
-            if self.list_ttl > 0:
-                self._listings[key] = listing
+            return key in self._listings
+
+    def _put_listing_locked(self, key: str, children: Iterable[ObjectInfo]) -> None:
+        listing = {c.name: c for c in children}
+        for info in listing.values():
+            self._put_locked(info)
+        if self.list_ttl > 0:
+            self._listings[key] = listing
+
+    def put_listing(self, key: str, children: Iterable[ObjectInfo]) -> None:
+        """A listing we know to be current (a directory we just made): it overtakes any in flight."""
+        with self._lock:
+            self._changed_locked(key)
+            self._put_listing_locked(key, children)
+
+    def begin_listing(self, key: str) -> int:
+        """A listing of directory ``key`` starts; pass the token to :meth:`end_listing`.
+
+        A listing sent before one of our own changes in that directory (commit, unlink, mkdir,
+        rename) and answered after it may lack the change: end_listing then drops it.
+        """
+        with self._lock:
+            token = next(self._tokens)
+            self._fetching.setdefault(key, set()).add(token)
+            return token
+
+    def end_listing(self, key: str, token: int, children: Iterable[ObjectInfo] | None) -> bool:
+        """Whether no local change in ``key`` happened since begin_listing; if none did, cache
+        ``children`` (None: the listing failed, nothing to cache)."""
+        with self._lock:
+            tokens = self._fetching.get(key)
+            if tokens is None or token not in tokens:
+                return False
+            tokens.discard(token)
+            if not tokens:
+                del self._fetching[key]
+            if children is not None:
+                self._put_listing_locked(key, children)
+            return True
+
+    def _changed_locked(self, *dirs: str) -> None:
+        """We changed these directories: listings of them in flight may be stale."""
+        for d in dirs:
+            self._fetching.pop(d, None)
 
     def listed_missing(self, key: str) -> bool:
         """Whether the parent's listing, still fresh, lacks ``key``: then it does not exist, and
@@ -139,6 +183,7 @@ class MetadataCache:
             self._stats.pop(info.name, None)
             self._pinned.pop(info.name, None)
             self._put_locked(info)
+            self._changed_locked(posixpath.dirname(info.name))
             listing = self._listings.get(posixpath.dirname(info.name))
             if listing is not None:
                 listing[info.name] = info
@@ -155,6 +200,7 @@ class MetadataCache:
             for cache in (self._stats, self._pinned, self._missing, self._listings):
                 cache.pop(key, None)
             self._listings.pop(posixpath.dirname(key), None)
+            self._changed_locked(key, posixpath.dirname(key))
 
     def invalidate_tree(self, key: str) -> None:
         """Forget ``key`` and everything below it (directory renames and removals)."""
@@ -164,8 +210,11 @@ class MetadataCache:
                 for name in [n for n in list(cache.keys()) if n == key or n.startswith(prefix)]:
                     cache.pop(name, None)
             self._listings.pop(posixpath.dirname(key), None)
+            self._changed_locked(posixpath.dirname(key),
+                                 *[d for d in self._fetching if d == key or d.startswith(prefix)])
 
     def clear(self) -> None:
         with self._lock:
             for cache in (self._stats, self._pinned, self._missing, self._listings, self._was_dir):
                 cache.clear()
+            self._fetching.clear()

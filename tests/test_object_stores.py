@@ -281,3 +281,41 @@ def test_endpoint_from_fsspec_config_and_storage_options(s3_server: Any, tmp_pat
     client, root = fsspec_client(url, s3_server.storage_options())
     assert client.cat_file(f"{root}/hello") == b"via FSSPEC_S3"
     assert secret not in log.read_text()
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def prefetching(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A mount with background listings on, as the daemon has them on object stores."""
+    url, options, env = object_store(request, request.param)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    with inprocess_mount(url, tmp_path / "mnt", tmp_path / "cache", storage_options=options,
+                         list_prefetch=True) as core:
+        yield Store(tmp_path / "mnt", url, client, root, core, options, env)
+
+
+def test_stat_of_many_files_costs_a_few_heads_and_one_listing(prefetching: Store) -> None:
+    store = prefetching
+    store.client.pipe({f"{store.root}/d/f{i:04d}": b"x" * (i % 7) for i in range(1500)})
+    os.stat(store.mnt / "d")
+    store.reset()
+    for i in range(3):  # the third lookup that misses starts a background listing of d
+        assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
+    store.core.prefetch.drain()
+    for i in range(3, 1500, 3):
+        assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
+    assert store.counts() == {"head": 3, "list": 2}, store.counts()  # ceil(1500 / 1000) pages
+
+
+def test_find_lists_every_directory_once_mostly_ahead_of_it(prefetching: Store) -> None:
+    store = prefetching
+    store.client.pipe({f"{store.root}/ckpt/a{i:02d}/c.{j}": b"c" for i in range(30) for j in range(3)})
+    os.stat(store.mnt / "ckpt")
+    store.reset()
+    os.listdir(store.mnt / "ckpt")
+    os.listdir(store.mnt / "ckpt/a00")  # a walker descends: a01..a29 are listed in the background
+    store.core.prefetch.drain()
+    assert store.counts() == {"list": 31}, store.counts()
+    out = subprocess.run(["find", str(store.mnt / "ckpt"), "-type", "f"], capture_output=True, text=True,
+                         check=True)
+    assert len(out.stdout.splitlines()) == 90
+    assert store.counts() == {"list": 31}, store.counts()  # find itself needed no request

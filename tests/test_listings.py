@@ -1,0 +1,243 @@
+"""Background listings (marinfs/listings.py) on the core Filesystem: request counts on the memory
+and local backends, single flight, and that a listing overtaken by our own change is dropped."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from marinfs.errors import RemoteError
+from marinfs.fs import Filesystem
+from marinfs.metadata import MetadataCache
+from marinfs.remote import ObjectInfo, Remote
+
+
+@pytest.fixture(params=["memory", "local"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    if request.param == "memory":
+        r = Remote(f"memory://listings-{uuid.uuid4().hex}")
+        r.fs.mkdir(r.root)
+        yield r
+        r.fs.rm(r.root, recursive=True)
+    else:
+        (tmp_path / "remote").mkdir()
+        yield Remote(str(tmp_path / "remote"))
+
+
+def core(remote: Remote, tmp_path: Path, prefetch: bool = True) -> Filesystem:
+    return Filesystem(remote, staging_dir=tmp_path / "staging", list_prefetch=prefetch)
+
+
+def put(remote: Remote, key: str, data: bytes = b"x") -> None:
+    remote.fs.makedirs(remote.full(os.path.dirname(key)), exist_ok=True)
+    remote.fs.pipe_file(remote.full(key), data)
+
+
+def write(fs: Filesystem, path: str, data: bytes) -> None:
+    fh = fs.create(path, os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, data, 0)
+    fs.flush(fh)
+    fs.release(fh)
+
+
+def listed_keys(remote: Remote) -> Counter[str]:
+    """Count Remote.list calls by directory (the fixture's remote is the test's own)."""
+    calls: Counter[str] = Counter()
+    original = remote.list
+
+    def counting(key: str) -> list[ObjectInfo]:
+        calls[key] += 1
+        return original(key)
+
+    remote.list = counting  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stats_of_many_children_are_answered_from_one_background_listing(
+        remote: Remote, tmp_path: Path, prefetch: bool) -> None:
+    for i in range(200):
+        put(remote, f"d/f{i:03d}", b"x" * (i % 5))
+    fs = core(remote, tmp_path, prefetch)
+    fs.getattr("/d")
+    remote.stats.reset()
+    for i in range(200):
+        assert fs.getattr(f"/d/f{i:03d}").size == i % 5
+        if i == 2 and fs.prefetch is not None:
+            fs.prefetch.drain()  # the third miss started the listing: let it land
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/d/nope")  # the listing says it does not exist: no request
+    heads, lists = remote.stats.count("head"), remote.stats.count("list")
+    if prefetch:
+        assert (heads, lists) == (3, 1)
+    else:
+        assert (heads, lists) == (201, 0)
+
+
+def test_a_poll_of_one_file_never_lists_its_directory(remote: Remote, tmp_path: Path) -> None:
+    for i in range(50):
+        put(remote, f"d/f{i:02d}")
+    now = [1000.0]
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", list_prefetch=True,
+                    metadata=MetadataCache(ttl=5.0, timer=lambda: now[0]))
+    fs.getattr("/d")
+    remote.stats.reset()
+    for _ in range(10):
+        now[0] += 6  # the stat expired: each poll is a miss, always of the same name
+        fs.getattr("/d/f07")
+    assert fs.prefetch is not None
+    fs.prefetch.drain()
+    assert (remote.stats.count("head"), remote.stats.count("list")) == (10, 0)
+
+
+def test_a_walk_lists_every_directory_once_and_ahead_of_the_walker(remote: Remote, tmp_path: Path) -> None:
+    for i in range(100):
+        put(remote, f"t/arrays/a{i:03d}/c.0")
+        put(remote, f"t/arrays/a{i:03d}/c.1")
+    fs = core(remote, tmp_path)
+    calls = listed_keys(remote)
+    assert fs.prefetch is not None
+    fs.prefetch.ahead = 10
+
+    def walk(path: str) -> int:
+        files = 0
+        for child in fs.readdir(path):
+            if child.is_dir:
+                files += walk("/" + child.name)
+            else:
+                files += 1
+        return files
+
+    # A readdir alone is not a walk: a poll of one directory lists nothing ahead.
+    order = [c.name for c in fs.readdir("/t/arrays")]  # a walker's order (local: unsorted)
+    fs.prefetch.drain()
+    assert sum(calls.values()) == 1
+    # The walker reaches the first: the next `ahead` of its siblings are listed in the background.
+    fs.readdir("/" + order[0])
+    fs.prefetch.drain()
+    assert [fs.metadata.has_listing(k) for k in order[1:11]] == [True] * 10
+    assert not fs.metadata.has_listing(order[11])
+    # Reading a directory again is no walk: nothing more is listed ahead.
+    fs.readdir("/" + order[0])
+    fs.prefetch.drain()
+    assert not fs.metadata.has_listing(order[11])
+    # Each directory it reaches lists one more; nothing is listed twice.
+    assert walk("/t") == 200
+    fs.prefetch.drain()
+    assert set(calls) == {"t", "t/arrays"} | {f"t/arrays/a{i:03d}" for i in range(100)}
+    assert set(calls.values()) == {1}, {k: n for k, n in calls.items() if n > 1}
+
+
+class BlockedListing:
+    """Makes the background listing of ``key`` take its snapshot, then wait for release()."""
+
+    def __init__(self, remote: Remote, key: str, fail: bool = False) -> None:
+        self.started, self.released = threading.Event(), threading.Event()
+        original = remote.list
+
+        def blocked(k: str) -> list[ObjectInfo]:
+            if k != key or not threading.current_thread().name.startswith("marinfs-list"):
+                return original(k)
+            children = original(k)
+            self.started.set()
+            assert self.released.wait(10)
+            if fail:
+                raise RemoteError("the listing failed")
+            return children
+
+        remote.list = blocked  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def start_background_listing(fs: Filesystem, d: str) -> None:
+    """Three lookups that miss the cache in ``d`` (names that do not exist: no stat is cached)."""
+    for name in ("m0", "m1", "m2"):
+        with pytest.raises(FileNotFoundError):
+            fs.getattr(f"/{d}/{name}")
+
+
+def _commit(fs: Filesystem) -> None:
+    write(fs, "/d/new", b"mine")
+
+
+def _unlink(fs: Filesystem) -> None:
+    fs.unlink("/d/f1")
+
+
+def _mkdir(fs: Filesystem) -> None:
+    fs.mkdir("/d/sub")
+
+
+def _rename(fs: Filesystem) -> None:
+    fs.rename("/d/f1", "/d/new")
+
+
+@pytest.mark.parametrize("change", [_commit, _unlink, _mkdir, _rename])
+def test_a_listing_overtaken_by_our_own_change_is_dropped(
+        remote: Remote, tmp_path: Path, change: Callable[[Filesystem], None]) -> None:
+    put(remote, "d/f0")
+    put(remote, "d/f1")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d")
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)  # listed before the change, answered after it
+    change(fs)
+    blocked.release()
+    assert fs.prefetch is not None
+    fs.prefetch.drain()
+    expected = {os.path.basename(k) for k in remote.fs.ls(remote.full("d"), detail=False)}
+    assert {os.path.basename(c.name) for c in fs.readdir("/d")} == expected
+    for name in ("f0", "f1", "new", "sub"):
+        present = name in expected
+        try:
+            fs.getattr(f"/d/{name}")
+            assert present, name
+        except FileNotFoundError:
+            assert not present, name
+
+
+def test_a_readdir_waits_for_the_listing_in_flight_instead_of_listing_again(
+        remote: Remote, tmp_path: Path) -> None:
+    put(remote, "d/f0")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d")
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)
+    remote.stats.reset()
+    result: list[list[ObjectInfo]] = []
+    reader = threading.Thread(target=lambda: result.append(fs.readdir("/d")))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # waiting for the listing in flight
+    blocked.release()
+    reader.join(10)
+    assert [c.name for c in result[0]] == ["d/f0"]
+    assert remote.stats.count("list") == 0
+
+
+def test_a_failed_background_listing_is_ignored(remote: Remote, tmp_path: Path) -> None:
+    put(remote, "d/f0")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d", fail=True)
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)
+    blocked.release()
+    assert fs.prefetch is not None
+    fs.prefetch.drain()
+    assert not fs.metadata.has_listing("d")
+    assert fs.getattr("/d/f0").size == 1  # lookups go on with HEADs
+    with pytest.raises(OSError, check=lambda e: e.errno == errno.ENOENT):
+        fs.getattr("/d/m3")
+    assert [c.name for c in fs.readdir("/d")] == ["d/f0"]
