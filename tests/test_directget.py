@@ -200,3 +200,51 @@ def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch:
         with pytest.raises(PreconditionFailed):
             remote.upload(str(src), name, v1)  # the version it started from is gone
         assert remote.fs.cat_file(remote.full(name)) == b"second"
+
+
+def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct ListObjectsV2 (ElementTree, URL-encoded keys, every page) gives the very
+    ObjectInfos the s3fs listing gives: files, prefixes, markers, odd names, 1,000+ keys."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
+    plain = Remote(url, s3_server.storage_options())
+    monkeypatch.delenv("MARINFS_DIRECT_GET")
+    direct = Remote(url, s3_server.storage_options())
+    assert direct._direct is not None and plain._direct is None
+    odd = ["sp ace", "ü-é", "a+b", "%41", "q?x=1", "semi;colon", "amp&lt", "<tag>", "quote\"s", "star*"]
+    blobs = {f"d/{n}": n.encode() for n in odd}
+    blobs |= {f"many/f{i:05d}": b"x" * (i % 7) for i in range(1203)}
+    blobs |= {"d/sub/inner": b"1", "d/marker/": b"", "d/x": b"file", "d/x/y": b"under"}
+    direct.fs.pipe({direct.full(k): v for k, v in blobs.items()})
+
+    def listing(remote: Remote, key: str) -> list[tuple]:
+        return sorted((i.name, i.is_dir, i.size, i.version, i.mtime_ns) for i in remote.list(key))
+
+    direct.stats.reset()
+    many = listing(direct, "many")
+    assert direct.stats.count("list") == 2  # two pages, counted
+    assert many == listing(plain, "many") and len(many) == 1203
+    got = listing(direct, "d")
+    assert got == listing(plain, "d")
+    assert {n for n, *_ in got} >= {f"d/{n}" for n in odd} | {"d/sub", "d/marker", "d/x"}
+    assert listing(direct, "") == listing(plain, "")
+    with pytest.raises(FileNotFoundError):
+        direct.list("nothing-here")
+    with pytest.raises(NotADirectoryError):
+        direct.list("many/f00001")
+
+
+def test_a_truncated_page_without_a_token_is_an_error_not_a_short_listing() -> None:
+    from marinfs.directget import parse_listing
+
+    page = (b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>true'
+            b'</IsTruncated><EncodingType>url</EncodingType><Contents><Key>p/a%20b</Key><Size>3</Size>'
+            b'<ETag>&quot;e&quot;</ETag><LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>'
+            b'<CommonPrefixes><Prefix>p/c%2Bd/</Prefix></CommonPrefixes>'
+            b'<CommonPrefixes><Prefix>p/e+f/</Prefix></CommonPrefixes></ListBucketResult>')  # "+": a space
+    with pytest.raises(OSError):
+        parse_listing(page, "b")
+    entries, token = parse_listing(page.replace(b"</ListBucketResult>", b"<NextContinuationToken>t"
+                                                b"</NextContinuationToken></ListBucketResult>"), "b")
+    assert token == "t" and [e["name"] for e in entries] == ["b/p/a b", "b/p/c+d", "b/p/e f"]
+    assert entries[0]["ETag"] == '"e"' and entries[0]["size"] == 3 and entries[2]["type"] == "directory"
