@@ -10,7 +10,7 @@ import stat
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +34,9 @@ class Mount:
         return {m[1]: int(float(m[2])) for m in
                 re.finditer(r'marinfs_fuse_op_seconds_count\{op="(\w+)"\} (\S+)', body)}
 
-    def ops_during(self, action: object) -> dict[str, int]:
+    def ops_during(self, action: Callable[[], object]) -> dict[str, int]:
         before = self.fuse_ops()
-        action()  # type: ignore[operator]
+        action()
         after = self.fuse_ops()
         return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
 
@@ -55,15 +55,32 @@ def mount(tmp_path: Path) -> Iterator[Mount]:
         yield Mount(tmp_path / "mnt", remote, port)
 
 
+def settled_ops(mount: Mount, action: Callable[[], object], most_getattr: int) -> dict[str, int]:
+    """FUSE ops of ``action`` (which lists, then stats). The kernel keeps what a listing gave it
+    for 1 s, less under memory pressure: on a machine too loaded for that, try up to 3 times.
+    Each try starts with nothing in the kernel's cache, so without readdirplus every try
+    makes a getattr per entry."""
+    for _ in range(3):
+        time.sleep(KERNEL_ATTR_TIMEOUT + 0.2)  # what the kernel holds has expired
+        ops = mount.ops_during(action)
+        if ops.get("getattr", 0) <= most_getattr:
+            break
+    return ops
+
+
 def test_stat_and_ls_l_after_a_listing_make_no_lookup_per_entry(mount: Mount) -> None:
     d = mount.mnt / "d"
     names: list[str] = []
-    ops = mount.ops_during(lambda: names.extend(os.listdir(d)))
-    assert len(names) == N + 3 and ops.get("readdir") == 1
     stats: dict[str, os.stat_result] = {}
-    ops = mount.ops_during(lambda: stats.update({n: os.stat(d / n) for n in names}))
+
+    def list_then_stat() -> None:
+        names[:] = os.listdir(d)
+        stats.update({n: os.stat(d / n) for n in names})
+
+    ops = settled_ops(mount, list_then_stat, 3)
     # Without readdirplus: one getattr (the kernel's LOOKUP) per entry, N + 3.
-    assert ops.get("getattr", 0) <= 3, ops
+    assert ops.get("getattr", 0) <= 3 and ops.get("readdir") == 1, ops
+    assert len(names) == N + 3
     for i in range(N):
         st = stats[f"f-{i:04d}.bin"]
         assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 == 0o644 and st.st_size == i * 7
@@ -73,17 +90,16 @@ def test_stat_and_ls_l_after_a_listing_make_no_lookup_per_entry(mount: Mount) ->
         st = stats[f"sub{i}"]
         assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o777 == 0o755 and st.st_nlink == 2
 
-    time.sleep(KERNEL_ATTR_TIMEOUT + 0.2)  # every attribute the kernel held has expired
     out: list[str] = []
-    ops = mount.ops_during(lambda: out.append(
-        subprocess.run(["ls", "-l", str(d)], capture_output=True, text=True, check=True).stdout))
+    ops = settled_ops(mount, lambda: out.append(
+        subprocess.run(["ls", "-l", str(d)], capture_output=True, text=True, check=True).stdout), 3)
     assert ops.get("getattr", 0) <= 3 and ops.get("readdir") == 1, ops
-    listed = {line.split()[-1]: line.split() for line in out[0].splitlines()[1:]}
+    listed = {line.split()[-1]: line.split() for line in out[-1].splitlines()[1:]}
     assert len(listed) == N + 3
     assert listed["f-0123.bin"][0] == "-rw-r--r--" and listed["f-0123.bin"][4] == str(123 * 7)
     assert listed["sub1"][0] == "drwxr-xr-x"
 
-    ops = mount.ops_during(lambda: subprocess.run(["du", "-sb", str(d)], capture_output=True, check=True))
+    ops = settled_ops(mount, lambda: subprocess.run(["du", "-sb", str(d)], capture_output=True, check=True), 5)
     assert ops.get("getattr", 0) <= 5, ops
 
 
@@ -97,13 +113,16 @@ def test_a_file_being_written_is_listed_with_the_size_this_node_shows(mount: Mou
         old.seek(1000)
         old.write(b"o" * 4000)
         old.flush()
-        time.sleep(KERNEL_ATTR_TIMEOUT + 0.2)  # the kernel must take the sizes from the listing
-        names: list[str] = []
-        ops = mount.ops_during(lambda: names.extend(os.listdir(d)))
-        assert "new.bin" in names and ops.get("readdir") == 1
+        names: list[str] = []  # after settled_ops's wait the kernel takes the sizes from the listing
         sizes: dict[str, int] = {}
-        ops = mount.ops_during(lambda: sizes.update({n: os.stat(d / n).st_size for n in ("new.bin", "f-0010.bin")}))
-        assert ops.get("getattr", 0) == 0, ops  # both came with the listing
+
+        def list_then_stat() -> None:
+            names[:] = os.listdir(d)
+            sizes.update({n: os.stat(d / n).st_size for n in ("new.bin", "f-0010.bin")})
+
+        ops = settled_ops(mount, list_then_stat, 1)
+        assert "new.bin" in names and ops.get("readdir") == 1
+        assert ops.get("getattr", 0) <= 1, ops  # d's own lookup; both files came with the listing
         assert sizes == {"new.bin": 12345, "f-0010.bin": 5000}
         old.seek(0)
         assert len(old.read()) == 5000
