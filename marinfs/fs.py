@@ -102,12 +102,7 @@ class Filesystem:
         """The metadata of ``key``: our own staged writes first, then the cache, then the remote."""
         if not key:
             return ROOT
-        staged = self._staged.get(key)
-        if staged is not None and staged.dirty:
-            # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
-            # file (committed, or open but unwritten) matches the remote, whose stat has a version.
-            return ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
-        info = self.metadata.get_stat(key)
+        info = self._known(key)
         if info is not None:
             return info
         if self.metadata.is_missing(key) or self.metadata.listed_missing(key):
@@ -121,6 +116,15 @@ class Filesystem:
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
         self.metadata.put_stat(info)
         return info
+
+    def _known(self, key: str) -> ObjectInfo | None:
+        """What lookup() answers for ``key`` without asking the remote, or None."""
+        staged = self._staged.get(key)
+        if staged is not None and staged.dirty:
+            # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
+            # file (committed, or open but unwritten) matches the remote, whose stat has a version.
+            return ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+        return self.metadata.get_stat(key)
 
     def _lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -138,6 +142,14 @@ class Filesystem:
 
     def getattr(self, path: str) -> ObjectInfo:
         return self._present(self.lookup(key_of(path)))
+
+    def getattr_cached(self, key: str) -> ObjectInfo | None:
+        """What getattr() would answer for ``key`` right now without a request, or None.
+        readdirplus hands the kernel only these: a listing older than the stat TTL
+        (``--list-ttl`` above ``--metadata-ttl``) or a file this node is writing must not
+        give the kernel attributes that getattr would not."""
+        info = self._known(key)
+        return None if info is None else self._present(info)
 
     def readdir(self, path: str) -> list[ObjectInfo]:
         key = key_of(path)

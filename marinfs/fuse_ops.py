@@ -7,8 +7,10 @@ binding would otherwise answer EINVAL for anything that is not an OSError.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
+import itertools
 import logging
 import os
 import stat
@@ -27,6 +29,8 @@ from marinfs.remote import ObjectInfo  # noqa: E402
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 LIBFUSE_MAJOR = fuse.fuse_version_major
+FUSE_READDIR_PLUS = 1  # libfuse3 enum fuse_readdir_flags: the kernel asks for attributes too
+FUSE_FILL_DIR_PLUS = 2  # libfuse3 enum fuse_fill_dir_flags: this entry's struct stat is complete
 
 
 def _errors(method: F) -> F:
@@ -74,6 +78,7 @@ class FuseAdapter(fuse.Operations):
         # Object stores have no directory times; one stable time for every directory keeps
         # tools that compare stats (tar, rsync) from seeing changes that did not happen.
         self.dir_mtime_ns = time.time_ns()
+        self._dir_handles = itertools.count(1)
 
     def attrs(self, info: ObjectInfo) -> dict[str, int]:
         if info.is_dir:
@@ -92,12 +97,27 @@ class FuseAdapter(fuse.Operations):
             return self.attrs(self.fs.handle_info(fh.fh))
         return self.attrs(self.fs.getattr(path))
 
+    def opendir(self, path: str) -> int:
+        """A distinct handle per open directory: _Fuse keeps its readdirplus listing under it."""
+        return next(self._dir_handles)
+
+    def releasedir(self, path: str | None, fh: int) -> int:
+        return 0  # defined so the binding registers releasedir; _Fuse drops the listing
+
     @_errors
-    def readdir(self, path: str, fh: Any) -> list[Any]:
+    def readdir(self, path: str, fh: Any, plus: bool = False) -> list[Any]:
+        """The entries with their type. With ``plus`` (readdirplus, see _Fuse), each also with
+        the attributes getattr would answer without a request, which the kernel then caches,
+        saving a LOOKUP per entry; an entry with none cached keeps only its type, and the
+        kernel looks it up as before. Plain listings skip that work (about 3 µs an entry)."""
         entries: list[Any] = [".", ".."]
         for info in self.fs.readdir(path):
             name = info.name.rsplit("/", 1)[-1]
-            entries.append((name, {"st_mode": stat.S_IFDIR if info.is_dir else stat.S_IFREG}, 0))
+            known = self.fs.getattr_cached(info.name) if plus else None
+            if known is not None:
+                entries.append((name, self.attrs(known), 0))
+            else:
+                entries.append((name, {"st_mode": stat.S_IFDIR if info.is_dir else stat.S_IFREG}, 0))
         return entries
 
     @_errors
@@ -202,7 +222,65 @@ class FuseAdapter(fuse.Operations):
 
 class _Fuse(fuse.FUSE):
     """The binding drops the file handle of ftruncate on libfuse3; pass it on so an open
-    writer's truncate stays staged until its close instead of being committed at once."""
+    writer's truncate stays staged until its close instead of being committed at once.
+
+    It also ignores FUSE_READDIR_PLUS, so after a listing the kernel sends a LOOKUP per entry
+    for attributes the listing already had; readdir_fuse_3 below answers readdirplus.
+    """
+
+    def __init__(self, operations: FuseAdapter, mountpoint: str, **kwargs: Any) -> None:
+        # Open directory handle -> its entries, for readdirplus requests after the first.
+        self._listings: dict[int, list[Any]] = {}
+        # Directory -> until when the kernel surely still holds the attributes we last sent
+        # with its entries (half its attr_timeout): meanwhile another readdirplus is answered
+        # plainly, as converting every stat again would cost more than it saves.
+        self._plus_fresh_until: dict[bytes, float] = {}
+        self._plus_quiet = float(kwargs.get("attr_timeout", 1.0)) / 2
+        super().__init__(operations, mountpoint, **kwargs)  # runs the FUSE loop
+
+    def readdir_fuse_3(self, path: bytes, buf: Any, filler: Any, offset: int, fip: Any, flags: int) -> int:
+        """Plain readdir from the start: as the binding does (the whole listing at once with
+        offset 0; libfuse pages it out). readdirplus: entries with non-zero offsets, one kernel
+        buffer per call, complete stats flagged FUSE_FILL_DIR_PLUS. libfuse 3.14 drops the
+        attributes of plus entries filled with offset 0 (fixed upstream in 3.17, PR #896), so
+        offsets are what make the kernel keep them. The listing is taken at offset 0 and kept
+        for the handle, so each later buffer is a slice, not a new listing."""
+        fh = fip.contents.fh
+        plus = bool(flags & FUSE_READDIR_PLUS)
+        if offset == 0:
+            self._listings.pop(fh, None)
+            if plus and time.monotonic() < self._plus_fresh_until.get(path, 0.0):
+                plus = False
+            if not plus:
+                return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
+        entries = self._listings.get(fh)
+        if offset == 0 or entries is None:
+            entries = self.operations.readdir(path.decode(self.encoding, self.errors), fh, plus=plus)
+            self._listings[fh] = entries
+            if plus:
+                if len(self._plus_fresh_until) > 65536:  # a bound, not an LRU: forgetting is safe
+                    self._plus_fresh_until.clear()
+                self._plus_fresh_until[path] = time.monotonic() + self._plus_quiet
+        st = fuse.c_stat()
+        for index in range(offset, len(entries)):
+            item = entries[index]
+            name, attrs = (item, None) if isinstance(item, str) else (item[0], item[1])
+            ctypes.memset(ctypes.byref(st), 0, ctypes.sizeof(st))
+            fill = 0
+            if attrs is None:  # "." and "..": libfuse makes no entry for them; type only
+                st.st_mode = stat.S_IFDIR
+            elif plus and "st_nlink" in attrs:  # a complete stat (see FuseAdapter.readdir)
+                fuse.set_st_attrs(st, attrs, use_ns=self.use_ns)
+                fill = FUSE_FILL_DIR_PLUS
+            else:
+                st.st_mode = attrs["st_mode"]
+            if filler(buf, name.encode(self.encoding, self.errors), st, index + 1, fill) != 0:
+                break  # the kernel's buffer is full; it asks again from this entry's offset
+        return 0
+
+    def releasedir(self, path: bytes | None, fip: Any) -> int:
+        self._listings.pop(fip.contents.fh, None)
+        return super().releasedir(path, fip)
 
     def truncate_fuse_3(self, path: bytes | None, length: int, fip: Any) -> int:
         fi = fip.contents if fip else None

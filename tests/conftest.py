@@ -11,6 +11,11 @@ from pathlib import Path
 
 # gcsfs reads this when imported: without it, it tries gRPC/TLS first and stalls a minute.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+# libfuse's fuse_main moves the whole process to "/" (even in the foreground), so after the
+# first in-process mount `python -m marinfs` would import the marinfs installed in the venv
+# (maybe another checkout) instead of this one: put this checkout first for every subprocess.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p)
 
 import pytest  # noqa: E402
 
