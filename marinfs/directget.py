@@ -18,6 +18,8 @@ ConnectionError/TimeoutError (retried by Remote._call).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +39,7 @@ _RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class DirectGet:
-    def __init__(self, presign: Callable[[str, int, str], str], connect_timeout: float, read_timeout: float,
+    def __init__(self, presign: Callable[..., str], connect_timeout: float, read_timeout: float,
                  verify: bool | str = True, max_connections: int = 16) -> None:
         self._presign = presign
         kw: dict[str, Any] = {}
@@ -115,6 +117,17 @@ class DirectGet:
             404: lambda: FileNotFoundError(2, "no such bucket", full)})
         etag = resp.headers.get("ETag")
         return etag.strip('"') if etag else None
+
+    def put_part(self, full: str, upload_id: str, number: int, data: bytes) -> str:
+        """One part of a multipart upload (its URL signed for that part alone); its ETag."""
+        headers = {"Content-MD5": base64.b64encode(hashlib.md5(data).digest()).decode()}
+        resp = self._send("PUT", full, lambda fresh: self._presign(full, PRESIGN_SECONDS, "upload_part",
+                                                                   UploadId=upload_id, PartNumber=number),
+                          headers, data, answers={404: lambda: FileNotFoundError(2, "no such upload", full)})
+        etag = resp.headers.get("ETag")
+        if not etag:
+            raise OSError(5, f"PUT part {number} of {full}: no ETag in the answer")
+        return etag
 
     def list(self, bucket: str, prefix: str, sign: Callable[[dict[str, str]], str]) -> list[dict[str, Any]]:
         """Every object and common prefix directly under ``prefix`` (ListObjectsV2, delimiter

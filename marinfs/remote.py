@@ -200,7 +200,8 @@ class Remote:
         verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
         if verify is None:
             verify = os.environ.get("AWS_CA_BUNDLE") or True
-        return DirectGet(lambda full, expires, method: self.fs.url(full, expires=expires, client_method=method),
+        return DirectGet(lambda full, expires, method, **params: self.fs.url(full, expires=expires,
+                                                                              client_method=method, **params),
                          connect_timeout=float(config.get("connect_timeout", self.settings.connect_timeout)),
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
@@ -553,8 +554,17 @@ class Remote:
         bucket, path, _ = self.fs.split_path(self.full(key))
         run = lambda kind, fn: self._call(kind, fn)  # noqa: E731 - retries and counting
         cls = S3Session if self.protocol in ("s3", "s3a") else GCSSession
-        return cls(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size, run,
-                   lambda n: self.stats.add_bytes(bytes_out=n))
+        sent = lambda n: self.stats.add_bytes(bytes_out=n)  # noqa: E731
+        if cls is S3Session and self._direct is not None:
+            direct, full = self._direct, self.full(key)
+
+            def put_part(upload_id: str, number: int, data: bytes) -> str:
+                self.stats.add("part")  # not seen by botocore's hook: count it here
+                return direct.put_part(full, upload_id, number, data)
+
+            return S3Session(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size, run,
+                             sent, put_part=put_part)
+        return cls(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size, run, sent)
 
     @property
     def streams(self) -> bool:
