@@ -32,7 +32,7 @@ import fsspec.asyn
 import fsspec.config
 
 from marinfs.config import RemoteSettings
-from marinfs.directget import DirectGet
+from marinfs.directget import DirectGet, Presigner
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.uploads import (ABSENT, S3_MAX_PARTS, GCSSession, PartSession, S3Session, gcs_match, s3_match,
                              upload_file)
@@ -200,8 +200,8 @@ class Remote:
         verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
         if verify is None:
             verify = os.environ.get("AWS_CA_BUNDLE") or True
-        return DirectGet(lambda full, expires, method, **params: self.fs.url(full, expires=expires,
-                                                                              client_method=method, **params),
+        self._presigner = Presigner(self.fs)
+        return DirectGet(self._presigner.url,
                          connect_timeout=float(config.get("connect_timeout", self.settings.connect_timeout)),
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
@@ -394,12 +394,7 @@ class Remote:
         return list(result.values())
 
     def _presign_list(self, params: dict[str, str]) -> str:
-        async def sign() -> str:
-            await self.fs.set_session()
-            client = await self.fs.get_s3(params["Bucket"])
-            return await client.generate_presigned_url("list_objects_v2", Params=params, ExpiresIn=600)
-
-        return fsspec.asyn.sync(self.fs.loop, sign)
+        return self._presigner.listing(params)
 
     # -- data ----------------------------------------------------------------------------------
     def read_range(self, key: str, start: int, end: int, version: str | None = None) -> bytes:

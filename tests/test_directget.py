@@ -200,6 +200,26 @@ def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch:
         with pytest.raises(PreconditionFailed):
             remote.upload(str(src), name, v1)  # the version it started from is gone
         assert remote.fs.cat_file(remote.full(name)) == b"second"
+    # Signed in this thread by a botocore client that signs exactly like s3fs here.
+    assert direct._presigner._clients[s3_server.bucket] is not None
+
+
+def test_presigner_falls_back_to_s3fs_when_its_client_would_sign_differently(
+        s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from urllib.parse import urlsplit
+
+    from marinfs.directget import Presigner
+
+    remote = Remote(f"s3://{s3_server.bucket}/t", s3_server.storage_options())
+    p = Presigner(remote.fs)
+    ours = p.url(f"{s3_server.bucket}/a b/c", 60, "get_object")
+    assert p._clients[s3_server.bucket] is not None
+    assert urlsplit(ours).path == urlsplit(remote.fs.url(f"{s3_server.bucket}/a b/c", expires=60)).path
+    real_url = remote.fs.url
+    monkeypatch.setattr(remote.fs, "url", lambda path, **kw: real_url(path, **kw).replace("127.0.0.1", "localhost"))
+    other = Presigner(remote.fs)
+    assert "localhost" in other.url(f"{s3_server.bucket}/k", 60, "get_object")  # s3fs's own URL
+    assert other._clients[s3_server.bucket] is None
 
 
 def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
