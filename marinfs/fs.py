@@ -419,6 +419,8 @@ class Filesystem:
     def release(self, fh: int) -> None:
         with self._lock:
             handle = self._handles.pop(fh, None)
+        if handle is not None and handle.reader is not None:
+            handle.reader.close()
         if handle is not None and handle.staged is not None:
             self._release_staged(handle.staged)
 

@@ -11,8 +11,10 @@ object store delivers 8 MiB in about twice the time parallel streams do.
 
 A handle that reads at random but densely (it has touched an eighth of a file's chunks: a model
 loaded through mmap, tensor by tensor, out of file order) will read most of the file: its other
-chunks are fetched in the background, file order, when the disk cache can hold the whole file
-twice over. At worst that fetches eight times what the reader had asked for already.
+chunks are fetched in the background, in file order, by lanes that each fetch the next chunk once the last
+one landed (half the prefetch workers; the rest stay for other readers), until the file is done
+or the handle closed; only when the disk cache can hold the whole file twice over. At worst
+that fetches eight times what the reader had asked for already.
 
 Memory stays bounded: in-flight fetches are at most ``workers`` chunks (plus one split demand
 chunk per reading thread) and the memory LRU is capped in bytes; without a disk cache the
@@ -93,20 +95,23 @@ class ChunkFetcher:
                 self._run(obj, index, ck, future, demand=True)  # in this thread, split
         return future.result()[offset:offset + size]
 
-    def prefetch(self, obj: ObjectRef, index: int) -> None:
-        """Start fetching chunk ``index`` in the background unless it is cached or under way."""
+    def prefetch(self, obj: ObjectRef, index: int, advise: bool = True) -> Future[None] | None:
+        """Start fetching chunk ``index`` in the background unless it is cached or under way;
+        answers the background task if one was started."""
         if index * self.chunk_size >= obj.size:
-            return
+            return None
         ck = self.chunk_key(obj, index)
         with self._lock:
             if ck in self._memory or ck in self._inflight:
-                return
+                return None
         if self.cache is not None and self.cache.contains(ck):
-            self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
-            return
+            if advise:
+                self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
+            return None
         future, owner = self._claim(ck)
         if owner:
-            self._pool.submit(self._run, obj, index, ck, future)
+            return self._pool.submit(self._run, obj, index, ck, future)
+        return None
 
     def _claim(self, ck: ChunkKey) -> tuple[Future[bytes], bool]:
         with self._lock:
@@ -177,6 +182,7 @@ class ObjectReader:
         self._dense_at = max(4, chunks // 8) if chunks > 4 and fetcher.sweep_allowed(obj.size) else None
         self._touched: set[int] = set()
         self._sweep: int | None = None  # the next chunk the sweep asks for
+        self.closed = False
 
     def read(self, size: int, offset: int) -> bytes:
         obj, cs = self.obj, self._fetcher.chunk_size
@@ -196,11 +202,12 @@ class ObjectReader:
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
             start = max(last + 1, self._ahead + 1) if window else last + 1
             self._ahead = max(self._ahead, last + window) if window else last
-            sweep = self._next_sweep(first, last, random=not window)
+            start_sweep = self._dense(first, last, random=not window)
         for index in range(start, last + 1 + window):
             self._fetcher.prefetch(obj, index)
-        for index in sweep:
-            self._fetcher.prefetch(obj, index)
+        if start_sweep:
+            for _ in range(max(1, self._fetcher.workers // 2)):
+                self._sweep_on()
         if first == last:
             return self._fetcher.read(obj, first, offset - first * cs, end - offset)
         parts = []
@@ -210,18 +217,35 @@ class ObjectReader:
             parts.append(self._fetcher.read(obj, index, lo, hi - lo))
         return b"".join(parts)
 
-    def _next_sweep(self, first: int, last: int, random: bool) -> range:
-        """Chunks the dense-random sweep asks for now: it keeps about ``workers`` ahead of
-        what it asked last, so a burst of random reads is never queued behind the whole file."""
-        if self._dense_at is None:
-            return range(0)
-        if self._sweep is None:
-            if random:
-                self._touched.update(range(first, last + 1))
-            if len(self._touched) < self._dense_at:
-                return range(0)
-            self._sweep, self._touched = 0, set()
+    def _dense(self, first: int, last: int, random: bool) -> bool:
+        """Count the chunks random reads touched; True once, when the sweep should start."""
+        if self._dense_at is None or self._sweep is not None or not random:
+            return False
+        self._touched.update(range(first, last + 1))
+        if len(self._touched) < self._dense_at:
+            return False
+        self._sweep, self._touched = 0, set()
+        return True
+
+    def _sweep_on(self, _done: object = None) -> None:
+        """One lane of the sweep: fetch the next chunk not cached yet, then the next (half the
+        prefetch workers run lanes, so other readers' readahead keeps the rest). Ends at the end
+        of the file or when the handle is closed."""
         chunks = -(-self.obj.size // self._fetcher.chunk_size)
-        lo, hi = self._sweep, min(chunks, self._sweep + max(1, self._fetcher.workers // 2))
-        self._sweep = hi
-        return range(lo, hi)
+        while True:
+            with self._lock:
+                if self.closed or self._sweep is None or self._sweep >= chunks:
+                    return
+                index, self._sweep = self._sweep, self._sweep + 1
+            try:
+                task = self._fetcher.prefetch(self.obj, index, advise=False)
+            except RuntimeError:  # the pool was shut down: the mount is going away
+                return
+            if task is not None:
+                task.add_done_callback(self._sweep_on)
+                return
+
+    def close(self) -> None:
+        """The handle is closed: no more background fetches for it."""
+        with self._lock:
+            self.closed = True

@@ -100,12 +100,21 @@ def test_dense_random_reads_fetch_the_rest_of_the_file(tmp_path: Path) -> None:
         assert reader.read(4096, i * MiB + 100) == data[i * MiB + 100:i * MiB + 4196]
     deadline = time.monotonic() + 10
     while fetched(fetch.calls) < len(data) and time.monotonic() < deadline:
-        reader.read(4096, 30 * MiB)  # the sweep moves on as the reader reads
-        time.sleep(0.01)
+        time.sleep(0.01)  # the sweep goes on by itself
     fetcher.close()
     assert covers(fetch.calls, len(data))
     for i in range(64):
         assert reader.read(10, i * MiB) == data[i * MiB:i * MiB + 10]
+
+    slow = RecordingFetch(data, delay=0.05)
+    stopped = ChunkFetcher(slow, ChunkCache(tmp_path / "closed", 256 * MiB), chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), stopped)
+    for i in order:
+        reader.read(10, i * MiB)
+    reader.close()  # the handle is released: its sweep stops
+    time.sleep(0.5)
+    stopped.close()
+    assert fetched(slow.calls) < len(data) // 2
 
     sparse = RecordingFetch(data)
     small_cache = ChunkFetcher(sparse, ChunkCache(tmp_path / "small", 100 * MiB), chunk_size=1 * MiB)
