@@ -66,6 +66,11 @@ class ChunkFetcher:
         # Sub-ranges of at least 1 MiB: smaller GETs cost more in requests than they save.
         self.split = max(1, min(split, chunk_size >> 20))
         self._split_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="demand")
+        # Chunks are written to the disk cache by their own threads: an O_DIRECT write waits for
+        # the disk, and a fetch worker held by it is a GET not in flight. At most this many
+        # writes wait (the chunks are in the memory LRU meanwhile); past that, fetches wait.
+        self._writes = threading.BoundedSemaphore(16)
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write")
         # Readahead beyond what the memory LRU holds would evict chunks before they are read
         # when there is no disk cache to keep them.
         self.window_cap = max(1, self._memory.maxsize // chunk_size // 2) if cache is None else None
@@ -151,7 +156,11 @@ class ChunkFetcher:
                 self._memory[ck] = data
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
             if self.cache is not None:
-                self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
+                self._writes.acquire()
+                try:
+                    self._writer.submit(self._put, ck, data)
+                except RuntimeError:  # shut down: the mount is going away
+                    self._writes.release()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
             future.set_exception(exc)
             if not isinstance(exc, Exception):
@@ -160,9 +169,19 @@ class ChunkFetcher:
             with self._lock:
                 self._inflight.pop(ck, None)
 
+    def _put(self, ck: ChunkKey, data: bytes) -> None:
+        try:
+            assert self.cache is not None
+            self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
+        except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
+            log.warning("caching chunk %s failed: %s", ck, exc)
+        finally:
+            self._writes.release()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._split_pool.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)  # every fetched chunk is on disk before we stop
 
 
 class ObjectReader:
