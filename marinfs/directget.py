@@ -265,8 +265,18 @@ class Presigner:
                                                       ExpiresIn=60))
         theirs = urlsplit(fs.url(probe, expires=60))
         same = (ours.scheme, ours.netloc, ours.path) == (theirs.scheme, theirs.netloc, theirs.path) and \
-            sorted(parse_qs(ours.query)) == sorted(parse_qs(theirs.query))
+            _identity(ours.query) == _identity(theirs.query)
         if not same:
             raise ValueError(f"a botocore client signs differently ({ours.netloc}{ours.path} against "
                              f"{theirs.netloc}{theirs.path})")
         return client
+
+
+def _identity(query: str) -> tuple[Any, ...]:
+    """What a presigned URL says about who signed it and how, without the time-dependent parts:
+    its parameter names, the access key (SigV2) or credential scope minus the date (SigV4), the
+    session token, so a client with other credentials or another region never signs for us."""
+    q = parse_qs(query)
+    scope = (q.get("X-Amz-Credential") or [""])[0].split("/")
+    return (sorted(q), q.get("AWSAccessKeyId"), scope[:1] + scope[2:], q.get("X-Amz-Security-Token"),
+            q.get("X-Amz-Algorithm"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import threading
 import time
 import uuid
@@ -220,6 +221,12 @@ def test_presigner_falls_back_to_s3fs_when_its_client_would_sign_differently(
     other = Presigner(remote.fs)
     assert "localhost" in other.url(f"{s3_server.bucket}/k", 60, "get_object")  # s3fs's own URL
     assert other._clients[s3_server.bucket] is None
+    # Other credentials (a session handed to s3fs that we cannot see): s3fs signs.
+    monkeypatch.setattr(remote.fs, "url", lambda path, **kw: re.sub("AWSAccessKeyId=[^&]*", "AWSAccessKeyId=OTHER",
+                                                                   real_url(path, **kw)))
+    third = Presigner(remote.fs)
+    assert "AWSAccessKeyId=OTHER" in third.url(f"{s3_server.bucket}/k", 60, "get_object")
+    assert third._clients[s3_server.bucket] is None
 
 
 def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
