@@ -70,6 +70,8 @@ class ChunkFetcher:
         # the disk, and a fetch worker held by it is a GET not in flight. At most this many
         # writes wait (the chunks are in the memory LRU meanwhile); past that, fetches wait.
         self._writes = threading.BoundedSemaphore(16)
+        self._pending_writes = 0
+        self._settled = threading.Condition()
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write")
         # Readahead beyond what the memory LRU holds would evict chunks before they are read
         # when there is no disk cache to keep them.
@@ -157,10 +159,12 @@ class ChunkFetcher:
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
             if self.cache is not None:
                 self._writes.acquire()
+                with self._settled:
+                    self._pending_writes += 1
                 try:
                     self._writer.submit(self._put, ck, data)
                 except RuntimeError:  # shut down: the mount is going away
-                    self._writes.release()
+                    self._wrote()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
             future.set_exception(exc)
             if not isinstance(exc, Exception):
@@ -176,7 +180,18 @@ class ChunkFetcher:
         except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
             log.warning("caching chunk %s failed: %s", ck, exc)
         finally:
-            self._writes.release()
+            self._wrote()
+
+    def _wrote(self) -> None:
+        self._writes.release()
+        with self._settled:
+            self._pending_writes -= 1
+            self._settled.notify_all()
+
+    def settle(self, timeout: float = 30.0) -> bool:
+        """Wait until every fetched chunk has been written to the disk cache (or refused)."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._pending_writes == 0, timeout)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

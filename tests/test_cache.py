@@ -78,6 +78,7 @@ def test_cached_reads_are_byte_exact_and_survive_a_remount(remote: Remote, tmp_p
     with mount(remote, tmp_path) as core:
         assert read_in_child(tmp_path / "mnt/f.bin") == data
         assert gets(core) == 6  # one ranged GET per chunk, no byte fetched twice
+        assert core.fetcher.settle()  # chunks are written to disk by their own threads
         assert core.fetcher.cache.stats.bytes_fetched == len(data)
         drop_page_cache()
         assert read_in_child(tmp_path / "mnt/f.bin") == data
@@ -137,6 +138,7 @@ def test_reading_three_times_the_cache_size_never_exceeds_it(remote: Remote, tmp
         finally:
             done.set()
             watcher.join()
+        assert core.fetcher.settle()
         assert peak[0] <= 4 * MiB and cache.used <= 4 * MiB
         on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/chunks").rglob("*") if p.is_file())
         assert on_disk <= 4 * MiB and cache.stats.evictions >= 4  # (a chunk that finds every slot

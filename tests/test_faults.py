@@ -329,6 +329,7 @@ def test_a_chunk_removed_or_cut_short_under_a_running_daemon_is_refetched(faulty
     faulty.put("c", data)
     read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
     assert read == data
+    assert faulty.core.fetcher.settle()  # chunks are written to disk by their own threads
     chunks = sorted((faulty.cache / "chunks").rglob("*-*-*"))
     assert len(chunks) == 4
     chunks[0].unlink()
