@@ -93,6 +93,17 @@ def getter(base: str, signed: list[str]) -> DirectGet:
     return DirectGet(presign, connect_timeout=1, read_timeout=0.5)
 
 
+def direct_and_plain(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Remote, Remote]:
+    """Two Remotes over one fresh prefix: one with the direct requests, one through s3fs only."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
+    plain = Remote(url, s3_server.storage_options())
+    monkeypatch.delenv("MARINFS_DIRECT_GET")
+    direct = Remote(url, s3_server.storage_options())
+    assert direct._direct is not None and plain._direct is None
+    return direct, plain
+
+
 def test_ranges_versions_and_signing(server: str) -> None:
     signed: list[str] = []
     g = getter(server, signed)
@@ -140,11 +151,7 @@ def test_truncated_body_and_timeout_are_transient_errors(server: str) -> None:
 
 
 def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
-    direct = Remote(url, s3_server.storage_options())
-    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
-    plain = Remote(url, s3_server.storage_options())
-    assert direct._direct is not None and plain._direct is None
+    direct, plain = direct_and_plain(s3_server, monkeypatch)
     data = os.urandom(3 << 20)
     direct.fs.pipe_file(direct.full("obj"), data)
     version = direct.stat("obj").version
@@ -178,12 +185,7 @@ def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch:
     """The direct PUT keeps every rule of the s3fs one: the version it answers is the one a
     stat sees, If-None-Match/If-Match are enforced by the server, and a PUT retried after its
     answer was lost (it finds its own bytes) is not a conflict."""
-    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
-    plain = Remote(url, s3_server.storage_options())
-    monkeypatch.delenv("MARINFS_DIRECT_GET")
-    direct = Remote(url, s3_server.storage_options())
-    assert direct._direct is not None and plain._direct is None
+    direct, plain = direct_and_plain(s3_server, monkeypatch)
     src = tmp_path / "src"
     for remote, name in ((direct, "d"), (plain, "p")):
         src.write_bytes(b"first " + name.encode())
@@ -232,12 +234,7 @@ def test_presigner_falls_back_to_s3fs_when_its_client_would_sign_differently(
 def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct ListObjectsV2 (ElementTree, URL-encoded keys, every page) gives the very
     ObjectInfos the s3fs listing gives: files, prefixes, markers, odd names, 1,000+ keys."""
-    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
-    plain = Remote(url, s3_server.storage_options())
-    monkeypatch.delenv("MARINFS_DIRECT_GET")
-    direct = Remote(url, s3_server.storage_options())
-    assert direct._direct is not None and plain._direct is None
+    direct, plain = direct_and_plain(s3_server, monkeypatch)
     odd = ["sp ace", "ü-é", "a+b", "%41", "q?x=1", "semi;colon", "amp&lt", "<tag>", "quote\"s", "star*"]
     blobs = {f"d/{n}": n.encode() for n in odd}
     blobs |= {f"many/f{i:05d}": b"x" * (i % 7) for i in range(1203)}
