@@ -22,6 +22,8 @@ import pytest  # noqa: E402
 from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount  # noqa: E402
 from servers import GCSServer, S3Server, start_fake_gcs, start_seaweedfs  # noqa: E402
 
+from marinfs.remote import Remote  # noqa: E402
+
 BACKENDS = ["local", "memory", "s3", "gcs"]
 
 
@@ -91,3 +93,17 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(params=["memory", "local"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    """An empty prefix without FUSE: a unique memory:// root (the store is class-level) or a
+    local tmp dir. Files that need another kind of remote define their own fixture."""
+    if request.param == "memory":
+        r = Remote(f"memory://t-{uuid.uuid4().hex}")
+        r.fs.mkdir(r.root)
+        yield r
+        r.fs.rm(r.root, recursive=True)
+    else:
+        (tmp_path / "remote").mkdir()
+        yield Remote(str(tmp_path / "remote"))

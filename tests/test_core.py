@@ -6,8 +6,6 @@ import errno
 import json
 import os
 import stat
-import uuid
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -40,19 +38,6 @@ def raises_errno(code: int) -> AbstractContextManager[Any]:
 
 
 # -- fixtures and helpers ----------------------------------------------------------------------
-@pytest.fixture(params=["memory", "local"])
-def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
-    """An empty prefix: a unique memory:// root (the store is class-level) or a local tmp dir."""
-    if request.param == "memory":
-        r = Remote(f"memory://core-{uuid.uuid4().hex}")
-        r.fs.mkdir(r.root)
-        yield r
-        r.fs.rm(r.root, recursive=True)
-    else:
-        (tmp_path / "remote").mkdir()
-        yield Remote(str(tmp_path / "remote"))
-
-
 @pytest.fixture
 def fs(remote: Remote, tmp_path: Path) -> Filesystem:
     return Filesystem(remote, staging_dir=tmp_path / "staging")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,6 @@ from marinfs.errors import RemoteError
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import ObjectInfo, Remote
-
-
-@pytest.fixture(params=["memory", "local"])
-def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
-    if request.param == "memory":
-        r = Remote(f"memory://listings-{uuid.uuid4().hex}")
-        r.fs.mkdir(r.root)
-        yield r
-        r.fs.rm(r.root, recursive=True)
-    else:
-        (tmp_path / "remote").mkdir()
-        yield Remote(str(tmp_path / "remote"))
 
 
 def core(remote: Remote, tmp_path: Path, prefetch: bool = True) -> Filesystem:
