@@ -34,17 +34,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.errors import UsageError
+from marinfs.objects import ObjectRef, ObjectVersion
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """Identity of one chunk: which object version, which chunk of it."""
+    """Identity of one chunk: which object version, which chunk of it. Its file name hashes
+    the version's string form, the one earlier releases wrote (objects.py), so a cache
+    directory stays valid across upgrades."""
 
     url: str
-    version: str
+    version: ObjectVersion | str
     index: int
+
+    @classmethod
+    def of(cls, obj: ObjectRef, index: int) -> ChunkKey:
+        return cls(obj.url, obj.version, index)
 
     @property
     def object_id(self) -> str:
@@ -280,14 +287,6 @@ class ChunkCache:
             return False
 
     # -- maintenance ---------------------------------------------------------------------------
-    def clear(self) -> None:
-        with self._lock:
-            entries = list(self._index.values())
-            self._index.clear()
-            self.used -= sum(e.size for e in entries)
-        for entry in entries:
-            entry.path.unlink(missing_ok=True)
-
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             s = self.stats

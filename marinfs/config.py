@@ -53,7 +53,7 @@ class RemoteSettings:
     backoff_base: float = 0.25
     backoff_max: float = 10.0
     # Commits to S3/GCS go in parts of this size (S3 allows 10,000 of them: 160 GB at 16 MiB;
-    # bigger files are uploaded whole at close by s3fs, which sizes its parts to fit), with at
+    # bigger files get bigger parts, so 10,000 of them cover up to 5 TiB), with at
     # most ``upload_concurrency`` parts in memory and in flight per file.
     upload_part_size: int = 16 << 20
     upload_concurrency: int = 4

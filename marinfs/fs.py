@@ -27,7 +27,8 @@ from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
 from marinfs.recovery import conflict_name
-from marinfs.remote import ObjectInfo, Remote
+from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.remote import Remote
 from marinfs.uploads import PartStream
 from marinfs.writer import StagedFile
 
@@ -87,11 +88,11 @@ class Filesystem:
         self.drained = True  # False once an unmount gave up waiting for pending commits
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
-        self._kernel_versions: LRUCache[str, str | None] = LRUCache(maxsize=65536)
+        self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
-        self._own_mtimes: LRUCache[str, tuple[str, int]] = LRUCache(maxsize=65536)
+        self._own_mtimes: LRUCache[str, tuple[ObjectVersion, int]] = LRUCache(maxsize=65536)
         self.failed_commits: list[dict[str, str]] = []  # key -> where its bytes are kept
         # Commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
@@ -211,7 +212,7 @@ class Filesystem:
             staged.truncate(0)
         return staged
 
-    def _stream(self, fd: int, key: str, expect: str | None) -> PartStream:
+    def _stream(self, fd: int, key: str, expect: ObjectVersion | None) -> PartStream:
         settings = self.remote.settings
         return PartStream(fd, lambda: self.remote.part_session(key, expect), settings.upload_part_size,
                           self.remote.part_pool, settings.upload_concurrency)
@@ -334,7 +335,7 @@ class Filesystem:
         if reader is None:
             info = handle.info
             assert info is not None
-            version = info.version or f"unversioned-{id(handle)}"
+            version = info.version or ObjectVersion.unversioned(id(handle))
             ref = ObjectRef(url=f"{self.remote.url}/{handle.key}", key=handle.key, version=version,
                             size=info.size)
             reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
@@ -562,20 +563,9 @@ class Filesystem:
             pending = [s for k, s in self._staged.items() if k.startswith(src + "/")]
         for staged in pending:
             self._commit(staged)
-        if self.remote.hierarchical:
-            self.remote.rename(src, dst)
-        else:
-            # Not atomic: every object is copied, then the originals are deleted (documented).
-            files, dirs, explicit = self.remote.walk(src)
-            for d in sorted(explicit):  # implicit directories come along with their objects
-                self.remote.make_dir(dst + d[len(src):])
-            for f in files:
-                self.remote.copy(f, dst + f[len(src):])
-            for f in files:
-                self.remote.delete(f)
-            # Every directory, implicit ones too: some stores (SeaweedFS) keep empty folders.
-            for d in sorted(set(dirs) | {src}, reverse=True):
-                self.remote.remove_dir(d)
+        # One rename(2) on a local disk; on object stores every object is copied, then the
+        # originals are deleted: not atomic (documented).
+        self.remote.rename_tree(src, dst)
         self._move_staged(src, dst)
 
     # -- lifecycle -----------------------------------------------------------------------------

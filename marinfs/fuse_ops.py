@@ -24,7 +24,7 @@ import mfusepy as fuse  # noqa: E402
 
 from marinfs.errors import RemoteError, errno_for  # noqa: E402
 from marinfs.fs import Filesystem  # noqa: E402
-from marinfs.remote import ObjectInfo  # noqa: E402
+from marinfs.objects import ObjectInfo  # noqa: E402
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

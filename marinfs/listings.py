@@ -24,7 +24,8 @@ from functools import partial
 from cachetools import TTLCache
 
 from marinfs.metadata import MetadataCache
-from marinfs.remote import ObjectInfo, Remote
+from marinfs.objects import ObjectInfo
+from marinfs.remote import Remote
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from cachetools import LRUCache, TTLCache
 
-from marinfs.remote import ObjectInfo
+from marinfs.objects import ObjectInfo
 
 
 def compile_glob(pattern: str) -> re.Pattern[str]:

@@ -28,26 +28,17 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Any
 
 from cachetools import LRUCache
 
 from marinfs.chunkcache import ChunkCache, ChunkKey
+from marinfs.objects import ObjectRef
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ObjectRef:
-    """One version of one object, as a handle saw it at open."""
-
-    url: str  # the remote URL of the object, for cache keys
-    key: str  # the key relative to the mounted prefix, for fetches
-    version: str
-    size: int
-
-
-Fetch = Callable[[str, int, int, str], bytes]  # (key, start, end, version) -> bytes
+Fetch = Callable[[str, int, int, Any], bytes]  # (key, start, end, version) -> bytes
 
 
 class ChunkFetcher:
@@ -82,7 +73,7 @@ class ChunkFetcher:
         return self.cache is not None and 2 * size <= self.cache.max_bytes
 
     def chunk_key(self, obj: ObjectRef, index: int) -> ChunkKey:
-        return ChunkKey(obj.url, obj.version, index)
+        return ChunkKey.of(obj, index)
 
     def read(self, obj: ObjectRef, index: int, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` within chunk ``index`` (blocking)."""

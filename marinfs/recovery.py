@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.errors import PreconditionFailed
+from marinfs.objects import ABSENT, ObjectVersion
 from marinfs.remote import Remote
-from marinfs.uploads import ABSENT
 from marinfs.writer import JOURNAL_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remot
     try:
         try:
             # Replace exactly the version the writer started from (None: it did not exist).
-            remote.upload(str(data), key, expect=base if base is not None else ABSENT)
+            remote.upload(str(data), key, expect=ObjectVersion.parse(base) if base is not None else ABSENT)
         except PreconditionFailed:
             target = conflict_name(key, data)
             remote.upload(str(data), target, expect=ABSENT)

@@ -1,15 +1,11 @@
-"""Commits to object stores: conditional uploads, sent in parts while the file is written.
+"""The part streamer: sends a staging file in parts while it is being written.
 
 A staged file is always complete on the local disk (that is what makes a failed commit
 recoverable). On S3 and GCS its parts also leave while the writer is still writing, so ``close``
-of a big sequential write only waits for the tail:
-
-- S3: a multipart upload. Parts are fixed ranges of ``part_size``; any part may be sent again,
-  so a write that patches bytes already sent (zip writers seek back to fix headers) only marks
-  that part for resending. CompleteMultipartUpload carries ``If-Match``/``If-None-Match``.
-- GCS: a resumable upload. Chunks must go in order and cannot be changed once sent, so a write
-  behind what was sent ends the stream; the file is then uploaded whole at commit.
-  ``ifGenerationMatch`` is set when the session starts and checked by GCS when it completes.
+of a big sequential write only waits for the tail. The sessions that carry the parts belong to
+their backends (remote/s3.py: a multipart upload, any part may be resent; remote/gcs.py: a
+resumable upload, chunks in order, never resent); this module knows only the
+:class:`PartSession` protocol, so the writer side uses it without importing a backend.
 
 The part streamer only ever reads parts from the staging file: the file is the truth, the
 stream is an optimisation that may give up at any time without losing anything.
@@ -17,21 +13,17 @@ stream is an optimisation that may give up at any time without losing anything.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from marinfs.errors import PreconditionFailed
+from marinfs.objects import ObjectVersion
 
 log = logging.getLogger(__name__)
 
-ABSENT = "-"  # an expected version meaning "the key must not exist yet"
-S3_MAX_PARTS = 10_000
-GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
+S3_MAX_PARTS = 10_000  # the most parts S3 takes; the streamer never asks a session for more
 
 
 class PartSession(Protocol):
@@ -42,155 +34,13 @@ class PartSession(Protocol):
 
     def send(self, index: int, data: bytes, total: int | None = None) -> None: ...
 
-    def complete(self, parts: int, total: int) -> str | None: ...
+    def complete(self, parts: int, total: int) -> ObjectVersion | None: ...
 
     def abort(self) -> None: ...
 
 
 Runner = Callable[[str, Callable[..., Any]], Any]  # (kind, fn) -> fn() with retries and counting
 Counter = Callable[[int], None]  # bytes sent
-
-
-def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
-    """Run a coroutine on fsspec's event loop from a worker thread."""
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-
-class S3Session:
-    ordered = False
-
-    def __init__(self, fs: Any, bucket: str, key: str, expect: str | None, part_size: int,
-                 run: Runner, sent: Counter = lambda n: None,
-                 put_part: Callable[[str, int, bytes], str] | None = None) -> None:
-        self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
-        self._sent = sent
-        self._put_part = put_part  # parts sent without s3fs (directget.py), if given
-        self.match = s3_match(expect)
-        self.etags: dict[int, str] = {}
-        self._lock = threading.Lock()
-        out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)))
-        self.upload_id = out["UploadId"]
-
-    def send(self, index: int, data: bytes, total: int | None = None) -> None:
-        if self._put_part is not None:
-            put = self._put_part
-            etag = self._run("part", lambda: put(self.upload_id, index + 1, data))
-        else:
-            etag = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
-                "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                PartNumber=index + 1, Body=data)))["ETag"]
-        with self._lock:
-            self.etags[index] = etag
-        self._sent(len(data))
-
-    def complete(self, parts: int, total: int) -> str | None:
-        listed = [{"PartNumber": i + 1, "ETag": self.etags[i]} for i in range(parts)]
-        out = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
-            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-            MultipartUpload={"Parts": listed}, **self.match)))
-        etag = out.get("ETag")
-        return f"e{etag.strip(chr(34))}" if etag else None
-
-    def abort(self) -> None:
-        try:
-            _run(self.fs.loop, self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
-                                                UploadId=self.upload_id), timeout=60)
-        except Exception as exc:  # noqa: BLE001 - best effort: a lifecycle rule reaps the rest
-            log.warning("could not abort the multipart upload of %s: %s", self.key, exc)
-
-
-class GCSSession:
-    ordered = True
-
-    def __init__(self, fs: Any, bucket: str, key: str, expect: str | None, part_size: int,
-                 run: Runner, sent: Counter = lambda n: None) -> None:
-        from urllib.parse import quote
-
-        self.fs, self.key, self._run, self._sent = fs, key, run, sent
-        if part_size % GCS_CHUNK_ALIGN:
-            raise ValueError(f"GCS upload parts must be multiples of 256 KiB, not {part_size}")
-        self.part_size = part_size
-        self.result: dict[str, Any] | None = None
-        self.sent = 0
-        params = gcs_match(expect)
-
-        async def initiate() -> str:
-            headers, _ = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
-                                        uploadType="resumable", json={"name": key},
-                                        headers={"X-Upload-Content-Type": "application/octet-stream"},
-                                        **params)
-            loc = headers["Location"]
-            return loc[0] if isinstance(loc, list) else loc
-
-        self.location = run("part", lambda: _run(fs.loop, initiate()))
-
-    def send(self, index: int, data: bytes, total: int | None = None) -> None:
-        start = index * self.part_size
-        assert start == self.sent, "resumable chunks go in order"
-        size = "*" if total is None else str(total)
-        rng = f"bytes {start}-{start + len(data) - 1}/{size}" if data else f"bytes */{size}"
-
-        async def put() -> dict[str, Any] | None:
-            headers, text = await self.fs._call("POST", self.location, data=data,
-                                                headers={"Content-Range": rng, "Content-Length": str(len(data))})
-            return _json(text)
-
-        try:
-            out = self._run("part", lambda: _run(self.fs.loop, put()))
-        except FileExistsError:  # gcsfs's translation of 412
-            raise PreconditionFailed(f"gs: {self.key} changed since it was opened") from None
-        self.sent = start + len(data)
-        self._sent(len(data))
-        if total is not None:
-            self.result = out
-
-    def complete(self, parts: int, total: int) -> str | None:
-        if self.result is None:
-            self.send(self.sent // self.part_size, b"", total)  # everything was sent as full chunks
-        generation = (self.result or {}).get("generation")
-        return f"g{generation}" if generation else None
-
-    def abort(self) -> None:
-        async def cancel() -> None:
-            await self.fs._call("DELETE", self.location)
-
-        try:
-            _run(self.fs.loop, cancel(), timeout=60)
-        except Exception:  # noqa: BLE001 - GCS answers 499 to a cancel; expired sessions vanish anyway
-            pass
-
-
-def _json(text: Any) -> dict[str, Any] | None:
-    import json
-
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def s3_match(expect: str | None) -> dict[str, str]:
-    """Request parameters that make an S3 write replace exactly ``expect`` (None: anything)."""
-    if expect is None:
-        return {}
-    if expect == ABSENT:
-        return {"IfNoneMatch": "*"}
-    if expect.startswith("e"):
-        return {"IfMatch": f'"{expect[1:]}"'}
-    raise ValueError(f"not an S3 version: {expect}")
-
-
-def gcs_match(expect: str | None) -> dict[str, str]:
-    """Query parameters that make a GCS write replace exactly ``expect`` (None: anything)."""
-    if expect is None:
-        return {}
-    if expect == ABSENT:
-        return {"ifGenerationMatch": "0"}
-    if expect.startswith("g"):
-        return {"ifGenerationMatch": expect[1:]}
-    raise ValueError(f"not a GCS version: {expect}")
 
 
 class PartStream:
@@ -216,10 +66,6 @@ class PartStream:
         self.broken = False  # gave up: commit uploads the whole file
         self.dirty: set[int] = set()  # dispatched parts written again since
         self.futures: dict[int, cf.Future[None]] = {}
-
-    @property
-    def started(self) -> bool:
-        return self.session is not None
 
     def on_write(self, offset: int, length: int) -> None:
         if self.broken or length <= 0:
@@ -301,7 +147,7 @@ class PartStream:
         if not self.broken:
             self._give_up("aborted")
 
-    def finish(self, total: int) -> tuple[bool, str | None]:
+    def finish(self, total: int) -> tuple[bool, ObjectVersion | None]:
         """Commit ``total`` bytes: (True, the new version if known), or (False, None) when the
         stream gave up or never started and the caller must upload the file whole."""
         if self.broken or self.session is None:
@@ -349,7 +195,7 @@ class PartStream:
 
 
 def upload_file(path: str, open_session: Callable[[], PartSession], part_size: int,
-                pool: cf.Executor, max_in_flight: int) -> str | None:
+                pool: cf.Executor, max_in_flight: int) -> ObjectVersion | None:
     """Upload a whole local file through a part session (parts in parallel where allowed)."""
     fd = os.open(path, os.O_RDONLY)
     try:

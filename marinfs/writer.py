@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from marinfs.uploads import ABSENT, PartStream
+from marinfs.objects import ABSENT, ObjectVersion
+from marinfs.uploads import PartStream
 
 log = logging.getLogger(__name__)
 JOURNAL_SUFFIX = ".journal.json"
@@ -53,8 +54,8 @@ class StagedFile:
 
     def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
                  base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
-                 base_version: str | None = None,
-                 stream: Callable[[int, str, str | None], PartStream] | None = None) -> None:
+                 base_version: ObjectVersion | None = None,
+                 stream: Callable[[int, str, ObjectVersion], PartStream] | None = None) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
         self.fd = fd
@@ -83,7 +84,7 @@ class StagedFile:
             self.stream = stream(self.fd, key, self.expected)
 
     @property
-    def expected(self) -> str:
+    def expected(self) -> ObjectVersion:
         """What a commit requires the remote to hold: the base version, or no object at all."""
         return self.base_version if self.base_version is not None else ABSENT
 
@@ -138,7 +139,8 @@ class StagedFile:
         if self._journaled or self.remote_url is None or self.unlinked:
             return
         write_journal(self.journal_path, {"remote": self.remote_url, "key": self.key,
-                                          "base_version": self.base_version, "data": os.path.basename(self.path)})
+                                          "base_version": None if self.base_version is None else str(self.base_version),
+                                          "data": os.path.basename(self.path)})
         self._journaled = True
 
     def rekey(self, key: str) -> None:
@@ -179,8 +181,8 @@ class StagedFile:
             self.stream.abort()
             self.stream = None
 
-    def commit(self, upload: Callable[[str, str, str | None], str | None],
-               key: str | None = None) -> str | None:
+    def commit(self, upload: Callable[[str, str, ObjectVersion | None], ObjectVersion | None],
+               key: str | None = None) -> ObjectVersion | None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error, and
         PreconditionFailed when the remote object is no longer the one the writer started from.
         ``key`` commits elsewhere (a conflict copy). Answers the new version if known."""

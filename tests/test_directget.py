@@ -1,4 +1,4 @@
-"""Ranged GETs and small PUTs on plain threads (marinfs/directget.py): every answer a server
+"""Ranged GETs and small PUTs on plain threads (marinfs/remote/s3http.py): every answer a server
 can give becomes the error the rest of marinfs expects, against a tiny HTTP server on loopback;
 and on SeaweedFS the same bytes, version checks and preconditions as the s3fs path."""
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from marinfs.directget import DirectGet
+from marinfs.remote.s3http import DirectGet
 from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.remote import Remote
-from marinfs.uploads import ABSENT
+from marinfs.objects import ABSENT
 
 BODY = bytes(range(256)) * 4
 
@@ -211,7 +211,7 @@ def test_presigner_falls_back_to_s3fs_when_its_client_would_sign_differently(
         s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from urllib.parse import urlsplit
 
-    from marinfs.directget import Presigner
+    from marinfs.remote.s3http import Presigner
 
     remote = Remote(f"s3://{s3_server.bucket}/t", s3_server.storage_options())
     p = Presigner(remote.fs)
@@ -259,7 +259,7 @@ def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest
 
 
 def test_a_truncated_page_without_a_token_is_an_error_not_a_short_listing() -> None:
-    from marinfs.directget import parse_listing
+    from marinfs.remote.s3http import parse_listing
 
     page = (b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>true'
             b'</IsTruncated><EncodingType>url</EncodingType><Contents><Key>p/a%20b</Key><Size>3</Size>'

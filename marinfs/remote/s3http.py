@@ -1,4 +1,5 @@
-"""Ranged GETs and small PUTs to S3 on plain threads, off fsspec's event loop.
+"""S3 over plain HTTP: ranged GETs, small PUTs, upload parts and listings of presigned URLs,
+sent with urllib3 on the calling threads, off fsspec's event loop (part of the S3 backend).
 
 Cold reads are CPU-bound here: through s3fs every body byte passes through the one asyncio
 thread (aiohttp parsing, botocore per request), which holds the GIL most of the time. A GET
@@ -13,7 +14,7 @@ pipeline are most of a small write's cost; ``tar -x`` of small files is made of 
 
 Errors become what the rest of marinfs expects: 412 StaleVersionError, 404
 FileNotFoundError, 403 PermissionError, throttling, server errors and broken connections
-ConnectionError/TimeoutError (retried by Remote._call).
+ConnectionError/TimeoutError (retried by the one retry loop, remote/base.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import urllib3
 import urllib3.exceptions
 
 from marinfs.errors import PreconditionFailed, StaleVersionError
+from marinfs.remote.base import TRANSIENT_STATUS
 
 log = logging.getLogger(__name__)
 
 PRESIGN_SECONDS = 3600
 REUSE_SECONDS = 1800  # a cached URL is replaced long before it expires
-_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class DirectGet:
@@ -94,7 +95,7 @@ class DirectGet:
                 continue
             if status == 403:
                 raise PermissionError(13, "access denied", what)
-            if status in _RETRYABLE or (method == "PUT" and status == 409):  # 409: a concurrent conditional write
+            if status in TRANSIENT_STATUS or (method == "PUT" and status == 409):  # 409: a concurrent conditional write
                 raise ConnectionError(f"{method} {what}: HTTP {status}")
             raise OSError(5, f"{method} {what}: HTTP {status}: {resp.data[:200]!r}")
         raise AssertionError("unreachable")
@@ -152,9 +153,6 @@ class DirectGet:
             entries += found
             if not token:
                 return entries
-
-    def close(self) -> None:
-        self.pool.clear()
 
 
 def parse_listing(xml: bytes, bucket: str) -> tuple[list[dict[str, Any]], str | None]:

@@ -1,0 +1,129 @@
+"""Value types for objects and their versions; no backend is imported here.
+
+A version's string form (``str(version)``) is what journals (writer.py) and the chunk cache
+(chunkcache.py, which hashes it into file names) keep on disk, so it stays byte-identical to the
+strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS),
+``m<mtime_ns>:<size>[:i<inode>:c<ctime_ns>]`` (local disks, memory, other fsspec backends),
+``-`` (the key must not exist) and ``unversioned-<id>`` (a handle on a store that gave none).
+:meth:`ObjectVersion.parse` reads each of them back to an equal value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_PREFIXES = {"e": "etag", "g": "generation", "m": "mtime"}
+_UNVERSIONED = "unversioned-"
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """One version of one object: ``kind`` says who issued ``value`` and so how a store checks it.
+
+    Kinds: ``etag`` (S3), ``generation`` (GCS), ``mtime`` (mtime and size, plus inode and change
+    time on local disks), ``absent`` (no object: a commit that must create it), ``unversioned``
+    (a stand-in that matches nothing else), ``opaque`` (a string from elsewhere, kept verbatim).
+    """
+
+    kind: str
+    value: str = ""
+
+    @classmethod
+    def parse(cls, token: str) -> ObjectVersion:
+        """The version whose ``str`` is ``token`` (the inverse of ``__str__``)."""
+        if token == "-":
+            return ABSENT
+        if token.startswith(_UNVERSIONED):
+            return cls("unversioned", token[len(_UNVERSIONED):])
+        kind = _PREFIXES.get(token[:1])
+        return cls(kind, token[1:]) if kind else cls("opaque", token)
+
+    @classmethod
+    def etag(cls, etag: str) -> ObjectVersion:
+        """An S3 ETag, with or without the quotes S3 sends around it."""
+        return cls("etag", etag.strip('"'))
+
+    @classmethod
+    def local(cls, mtime_ns: int, size: int, ino: int | None = None, ctime_ns: int | None = None) -> ObjectVersion:
+        """A version made of what a file system tells: a rewrite can keep size and mtime
+        (``cp -p``, ``rsync -a``, a clock that jumped back) but not its inode and ctime too."""
+        value = f"{mtime_ns}:{size}"
+        if ino and ctime_ns is not None:
+            value += f":i{ino}:c{ctime_ns}"
+        return cls("mtime", value)
+
+    @classmethod
+    def unversioned(cls, ident: int) -> ObjectVersion:
+        return cls("unversioned", str(ident))
+
+    def __str__(self) -> str:
+        if self.kind == "absent":
+            return "-"
+        if self.kind == "unversioned":
+            return _UNVERSIONED + self.value
+        if self.kind == "opaque":
+            return self.value
+        prefix = {v: k for k, v in _PREFIXES.items()}.get(self.kind)
+        if prefix is None:
+            raise ValueError(f"unknown version kind {self.kind!r}")
+        return prefix + self.value
+
+    @property
+    def absent(self) -> bool:
+        return self.kind == "absent"
+
+    def s3_precondition(self) -> dict[str, str]:
+        """S3 API parameters (IfMatch, IfNoneMatch) that make a write replace exactly this version."""
+        if self.kind == "absent":
+            return {"IfNoneMatch": "*"}
+        if self.kind == "etag":
+            return {"IfMatch": f'"{self.value}"'}
+        raise ValueError(f"not an S3 version: {self}")
+
+    def s3_headers(self) -> dict[str, str]:
+        """The same precondition as HTTP headers (for presigned requests)."""
+        names = {"IfMatch": "If-Match", "IfNoneMatch": "If-None-Match"}
+        return {names[k]: v for k, v in self.s3_precondition().items()}
+
+    def gcs_precondition(self) -> dict[str, str]:
+        """GCS query parameters that make a write replace exactly this version (0: no object)."""
+        if self.kind == "absent":
+            return {"ifGenerationMatch": "0"}
+        if self.kind == "generation":
+            return {"ifGenerationMatch": self.value}
+        raise ValueError(f"not a GCS version: {self}")
+
+
+ABSENT = ObjectVersion("absent")  # an expected version meaning "the key must not exist yet"
+
+
+def s3_match(expect: ObjectVersion | None) -> dict[str, str]:
+    """S3 API parameters for a write that replaces ``expect`` (None: anything)."""
+    return {} if expect is None else expect.s3_precondition()
+
+
+def gcs_match(expect: ObjectVersion | None) -> dict[str, str]:
+    """Query parameters for a GCS write that replaces ``expect`` (None: anything)."""
+    return {} if expect is None else expect.gcs_precondition()
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One version of one object, as a handle pinned it at open: what reads fetch and what
+    cached chunks are keyed by (with the URL, so two mounts never share an entry)."""
+
+    url: str  # the remote URL of the object, for cache keys
+    key: str  # the key relative to the mounted prefix, for fetches
+    version: ObjectVersion | str  # (a str only from callers outside the remote: tests, fakes)
+    size: int
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the remote says about one key. ``version`` changes whenever the content does."""
+
+    name: str  # relative to the prefix, no leading '/'; "" is the prefix itself
+    is_dir: bool
+    size: int = 0
+    mtime_ns: int = 0
+    version: ObjectVersion | None = None

@@ -1,0 +1,548 @@
+"""What every backend shares: keys under the prefix, the one retry loop, the one classification
+of transient and precondition failures, and request counting.
+
+A :class:`Remote` is a prefix of one fsspec filesystem seen as a tree of keys relative to that
+prefix (``""`` is the prefix itself). ``Remote(url, ...)`` answers the backend class that serves
+the URL's protocol (local.py, generic.py, s3.py, gcs.py); each backend holds its own listing,
+ranged read, upload session and conditional commit. The methods here are what a plain fsspec
+filesystem does; backends override what their store does differently or better.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import datetime as _dt
+import errno
+import logging
+import os
+import posixpath
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import fsspec
+import fsspec.config
+
+from marinfs.config import RemoteSettings
+from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
+from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
+
+log = logging.getLogger(__name__)
+
+# Temporary names used for atomic commits on hierarchical backends; never shown in listings.
+TMP_PREFIX = ".marinfs-tmp-"
+
+T = TypeVar("T")
+MiB = 1 << 20
+NAME_MAX = 255
+
+# Failures worth another attempt: the network, timeouts, throttling and server errors.
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+PRECONDITION_STATUS = 412
+_TRANSIENT_NAMES = frozenset({
+    "ClientError", "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError",
+    "ClientOSError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "HTTPClientError", "IncompleteRead", "ResponseParserError",
+    "FSTimeoutError", "ChunkedEncodingError",
+})
+
+_BACKENDS: dict[str, type[Remote]] = {}
+
+
+def protocol_of(url: str) -> str:
+    return fsspec.core.split_protocol(url)[0] or "file"
+
+
+def _reachable(name: str) -> bool:
+    """Whether a path can name this listing entry. Object stores allow keys such as ``a/./b``,
+    ``a/../b`` or components over NAME_MAX bytes: listing them would show entries that every
+    lookup then fails (or that mean something else), so they are left out."""
+    return name not in (".", "..") and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
+
+
+class RequestStats:
+    """Counts remote requests by kind (list, head, get, put, part, copy, delete), failures and
+    bytes moved; thread-safe, resettable by tests."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+        self.errors: Counter[str] = Counter()
+
+    def add(self, kind: str) -> None:
+        with self._lock:
+            self.counts[kind] += 1
+
+    def add_error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] += 1
+
+    def add_bytes(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self._lock:
+            self.bytes_in += bytes_in
+            self.bytes_out += bytes_out
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return self.counts[kind]
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"requests": dict(self.counts), "errors": dict(self.errors),
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+            self.errors.clear()
+            self.bytes_in = self.bytes_out = 0
+
+
+def _mtime_ns(info: dict[str, Any]) -> int:
+    for key in ("mtime", "LastModified", "updated", "created", "last_modified"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return int(value * 1_000_000_000)
+        if isinstance(value, str):
+            try:
+                value = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, _dt.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=_dt.timezone.utc)
+            return int(value.timestamp() * 1_000_000_000)
+    return 0
+
+
+def version_of(info: dict[str, Any], mtime_ns: int, size: int) -> ObjectVersion:
+    """The version an fsspec info dict carries: GCS generation, else S3 ETag, else mtime+size
+    (memory), plus inode and change time for local files (see ObjectVersion.local)."""
+    generation = info.get("generation")
+    if generation:
+        return ObjectVersion("generation", str(generation))
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return ObjectVersion.etag(str(etag))
+    ctime = info.get("created")
+    if info.get("ino") and isinstance(ctime, (int, float)):
+        return ObjectVersion.local(mtime_ns, size, info["ino"], int(ctime * 1_000_000_000))
+    return ObjectVersion.local(mtime_ns, size)
+
+
+class Remote:
+    """A prefix of an fsspec filesystem, addressed by keys relative to the prefix.
+
+    ``Remote(url, storage_options, settings)`` builds the backend for the URL's protocol
+    (registered by each subclass's ``protocols``); unknown protocols get the generic one.
+    """
+
+    protocols: ClassVar[tuple[str, ...]] = ()
+    hierarchical: ClassVar[bool] = False  # real directories and atomic renames (a local disk)
+    object_store: ClassVar[bool] = False  # directories are prefixes, empty ones need a marker
+    streams: ClassVar[bool] = False  # commits can be sent in parts while a file is written
+    _root_default: ClassVar[str] = ""  # what an empty path after the protocol means
+
+    def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for protocol in cls.protocols:
+            _BACKENDS[protocol] = cls
+        if fallback:
+            _BACKENDS[""] = cls  # any protocol no backend claims
+
+    def __new__(cls, url: str, storage_options: dict[str, Any] | None = None,
+                settings: RemoteSettings | None = None) -> Remote:
+        if cls is Remote:
+            cls = backend_class(protocol_of(url))
+        return super().__new__(cls)
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 settings: RemoteSettings | None = None) -> None:
+        self.settings = settings or RemoteSettings()
+        try:
+            protocol = protocol_of(url)
+            self._prepare_environment()
+            cls = fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as exc:
+            raise UsageError(f"cannot mount {url}: {exc}") from None
+        self.url = url
+        self.protocol = protocol
+        self.stats = RequestStats()
+        options = self._options(fsspec.config.apply_config(cls, dict(storage_options or {})))
+        try:
+            self.fs = cls(**options)
+        except Exception as exc:  # noqa: BLE001 - bad options or credentials: one clear line
+            raise UsageError(f"cannot use {url}: {_one_line(exc)}") from None
+        self.root = cls._strip_protocol(url).rstrip("/") or self._root_default
+        # Object stores count real HTTP requests (pages, parts), not our logical calls.
+        self._count_http = self._instrument()
+        self._part_pool: cf.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- construction hooks --------------------------------------------------------------------
+    def _prepare_environment(self) -> None:
+        """Set what the backend's library reads from the environment when it is imported."""
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The storage options (FSSPEC_<PROTOCOL> config and the user's already merged) plus
+        ours. marinfs keeps the only metadata cache: fsspec's listing cache and instance reuse
+        would serve stale listings and share state between mounts."""
+        options.setdefault("skip_instance_cache", True)
+        return options
+
+    def _instrument(self) -> bool:
+        """Count every HTTP request the backend sends, by kind. False when we cannot: then each
+        logical call is counted, which is exact for local and memory backends."""
+        return False
+
+    @property
+    def part_pool(self) -> cf.ThreadPoolExecutor:
+        """Threads that send upload parts (shared by every file of this mount)."""
+        with self._pool_lock:
+            if self._part_pool is None:
+                self._part_pool = cf.ThreadPoolExecutor(max_workers=2 * self.settings.upload_concurrency + 2,
+                                                        thread_name_prefix="marinfs-upload")
+            return self._part_pool
+
+    # -- paths ---------------------------------------------------------------------------------
+    def full(self, key: str) -> str:
+        if not key:
+            return self.root
+        return f"{self.root.rstrip('/')}/{key}" if self.root else key
+
+    def key_of(self, full_path: str) -> str:
+        full_path = full_path.rstrip("/")
+        root = self.root.rstrip("/")
+        if full_path == root:
+            return ""
+        if not root:
+            return full_path
+        if full_path.startswith(root + "/"):
+            return full_path[len(root) + 1 :]
+        raise RemoteError(f"{full_path} is outside the mounted prefix")
+
+    def _info_of(self, raw: dict[str, Any], key: str | None = None) -> ObjectInfo:
+        name = self.key_of(raw["name"]) if key is None else key
+        is_dir = raw.get("type") == "directory"
+        size = 0 if is_dir else int(raw.get("size") or 0)
+        mtime = _mtime_ns(raw)
+        return ObjectInfo(name=name, is_dir=is_dir, size=size, mtime_ns=mtime,
+                          version=None if is_dir else version_of(raw, mtime, size))
+
+    # -- the one retry loop --------------------------------------------------------------------
+    def _call(self, kind: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one remote operation: count it, retry transient failures with backoff and
+        jitter, then fail with RemoteError (EIO). Answers such as 'not found' are not retried;
+        a failed precondition is PreconditionFailed."""
+        if not self._count_http:
+            self.stats.add(kind)
+        attempts = max(1, self.settings.attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except (PreconditionFailed, StaleVersionError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if self._is_precondition_failure(exc):
+                    raise PreconditionFailed(f"{self.url}: the object changed since it was opened") from exc
+                if not self._is_transient(exc):
+                    raise
+                if attempt == attempts:
+                    self.stats.add_error(kind)
+                    raise RemoteError(f"{kind} on {self.url} failed after {attempts} attempts: "
+                                      f"{_one_line(exc)}") from exc
+                delay = random.uniform(0, min(self.settings.backoff_max,
+                                              self.settings.backoff_base * 2 ** attempt))
+                log.warning("%s on %s failed (%s); retry %d/%d in %.2fs", kind, self.url,
+                            _one_line(exc), attempt, attempts - 1, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _read_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``_call`` of a read pinned to a version: a failed precondition means the object is
+        no longer that version (ESTALE), never a conflict."""
+        try:
+            return self._call("get", fn, *args, **kwargs)
+        except PreconditionFailed as exc:
+            raise StaleVersionError(f"{self.url}: the object is no longer the version opened") from exc
+
+    def _is_precondition_failure(self, exc: BaseException) -> bool:
+        return is_precondition_failure(exc)
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        return is_transient(exc)
+
+    # -- checks --------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Fail fast, with the URL and the cause, if the prefix cannot be used at all."""
+        try:
+            self._check()
+        except FileNotFoundError:
+            raise UsageError(f"{self.url} does not exist") from None
+        except PermissionError as exc:
+            raise UsageError(f"{self.url}: access denied ({_one_line(exc)})") from None
+        except UsageError:
+            raise
+        except RemoteError as exc:
+            raise UsageError(f"cannot reach {self.url}: {_one_line(exc.__cause__ or exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - any backend failure becomes one clear line
+            raise UsageError(f"cannot reach {self.url}: {_one_line(exc)}") from None
+
+    def _check(self) -> None:
+        """Nothing to probe on a generic backend: its first request tells."""
+
+    # -- metadata ------------------------------------------------------------------------------
+    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+        """The object or directory at ``key``; FileNotFoundError when neither exists.
+        ``likely_dir`` (it was a directory last time) lets object stores ask the cheaper
+        question first."""
+        raw = self._call("head", self.fs.info, self.full(key))
+        if raw.get("islink"):
+            followed = self._followed(raw)
+            if followed is None:  # full() let it through: it leads nowhere
+                raise FileNotFoundError(errno.ENOENT, "a dangling symbolic link", self.url + "/" + key)
+            raw = followed
+        return self._info_of(raw, key)
+
+    def _list_entries(self, full: str) -> list[dict[str, Any]]:
+        """The fsspec entries of one delimited listing of ``full``."""
+        return self._call("list", self.fs.ls, full, detail=True)
+
+    def list(self, key: str) -> list[ObjectInfo]:
+        """The direct children of directory ``key`` (one delimited listing, never recursive)."""
+        full = self.full(key)
+        entries = self._list_entries(full)
+        result: dict[str, ObjectInfo] = {}
+        for raw in entries:
+            path = raw["name"].rstrip("/")
+            if path == full.rstrip("/"):
+                continue  # a directory marker or the directory itself
+            name = posixpath.basename(path)
+            if not name or name.startswith(TMP_PREFIX) or not _reachable(name):
+                continue
+            child = key + "/" + name if key else name
+            if raw.get("islink"):
+                followed = self._followed(raw)
+                if followed is None:
+                    continue  # leads outside the prefix, or nowhere: not shown
+                raw = followed
+            info = self._info_of(raw, child)
+            # An object "a" and a prefix "a/" can coexist in object stores: show the directory.
+            if name in result and result[name].is_dir:
+                continue
+            result[name] = info
+        if not entries and key:
+            self._confirm_dir(key)
+        return list(result.values())
+
+    def _followed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """A symbolic link as what it leads to, or None to leave it out (only local disks
+        have them)."""
+        return None
+
+    def _confirm_dir(self, key: str) -> None:
+        """fsspec lists a missing prefix as empty on some backends; a listing is of a dir."""
+        info = self.stat(key)
+        if not info.is_dir:
+            raise NotADirectoryError(key)
+
+    # -- data ----------------------------------------------------------------------------------
+    def read_range(self, key: str, start: int, end: int, version: ObjectVersion | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key``; with ``version``, of that version only.
+
+        The version is enforced where the store can (S3 ``If-Match``, GCS ``generation``) and
+        checked around the read elsewhere; a different version raises StaleVersionError, so a
+        cache keyed by version can never be filled with another version's bytes.
+        """
+        if start >= end:
+            return b""
+        # A version fixes the size, and callers ask only within it: fewer bytes than asked is a
+        # response cut short, retried like any transient failure, never handed on.
+        data = self._read(key, start, end, version, end - start if version else None)
+        self.stats.add_bytes(bytes_in=len(data))
+        return data
+
+    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
+        """A ranged read checked around: the stat after it must still show ``version``."""
+        def changed() -> bool:  # a shorter object is a new version, not a cut-short response
+            return bool(version) and self.stat(key).version != version
+
+        data = self._call("get", _exactly(want, self.fs.cat_file, changed), self.full(key), start=start, end=end)
+        if changed():
+            raise StaleVersionError(f"{self.url}/{key} changed while it was read")
+        return data
+
+    def download(self, key: str, local_path: str) -> None:
+        self._call("get", self.fs.get_file, self.full(key), local_path)
+        self.stats.add_bytes(bytes_in=os.path.getsize(local_path))
+
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
+        """Commit a local file as ``key``; readers see the old or the new object, never a part.
+
+        ``expect`` makes the commit conditional: the version the writer started from, or
+        ``ABSENT`` for a new file; if the object is not (or no longer) that, nothing is written
+        and PreconditionFailed is raised. S3 and GCS check it on the server, atomically; other
+        backends compare a stat taken just before the commit. Answers the new version if known.
+        """
+        self._check_expected(key, expect)
+        self._call("put", self.fs.put_file, local_path, self.full(key))
+        self.stats.add_bytes(bytes_out=os.path.getsize(local_path))
+        return None
+
+    def _check_expected(self, key: str, expect: ObjectVersion | None) -> None:
+        if expect is None:
+            return
+        try:
+            current = self.stat(key)
+            found: ObjectVersion | str | None = "a directory" if current.is_dir else current.version
+        except FileNotFoundError:
+            found = ABSENT
+        if found != expect:
+            raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> Any:
+        """A multipart (S3) or resumable (GCS) upload of ``key``; only where ``streams``."""
+        raise NotImplementedError(f"{self.protocol} uploads are not sent in parts")
+
+    # -- namespace -----------------------------------------------------------------------------
+    def copy(self, src: str, dst: str) -> None:
+        self._call("copy", self.fs.cp_file, self.full(src), self.full(dst))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", self.fs.rm_file, self.full(key))
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename one file: a copy then a delete (local disks rename atomically)."""
+        self.copy(src, dst)
+        self.delete(src)
+
+    def _is_marker(self, raw: dict[str, Any], name: str) -> bool:
+        """Whether a recursive listing's entry is a directory in its own right."""
+        return raw.get("type") == "directory"
+
+    def walk(self, key: str) -> tuple[list[str], list[str], list[str]]:
+        """Everything below ``key`` (recursive; for directory renames): file keys, directory
+        keys, and the directories (``key`` itself included) that exist in their own right
+        (marker objects, pseudo-dirs) rather than implicitly through their objects."""
+        found = self._call("list", self.fs.find, self.full(key), withdirs=True, detail=True)
+        files: list[str] = []
+        dirs: list[str] = []
+        explicit: list[str] = []
+        for path, raw in found.items():
+            rel = self.key_of(path)
+            if posixpath.basename(rel).startswith(TMP_PREFIX):
+                continue
+            marker = self._is_marker(raw, str(raw.get("name", path)))
+            if marker or raw.get("type") == "directory":
+                if rel not in dirs and rel != key:
+                    dirs.append(rel)
+                if marker and rel not in explicit:
+                    explicit.append(rel)
+            elif rel != key:
+                files.append(rel)
+        return files, dirs, explicit
+
+    def rename_tree(self, src: str, dst: str) -> None:
+        """Move directory ``src`` and everything under it to ``dst``. Not atomic here: every
+        object is copied, then the originals are deleted (documented); local disks override."""
+        files, dirs, explicit = self.walk(src)
+        for d in sorted(explicit):  # implicit directories come along with their objects
+            self.make_dir(dst + d[len(src):])
+        for f in files:
+            self.copy(f, dst + f[len(src):])
+        for f in files:
+            self.delete(f)
+        # Every directory, implicit ones too: some stores (SeaweedFS) keep empty folders.
+        for d in sorted(set(dirs) | {src}, reverse=True):
+            self.remove_dir(d)
+
+    def make_dir(self, key: str) -> None:
+        self._call("mkdir", self.fs.mkdir, self.full(key), create_parents=False)
+
+    def remove_dir(self, key: str) -> None:
+        """Remove an (empty) directory: the real one, the pseudo-dir, or the marker object."""
+        try:
+            self._call("rmdir", self.fs.rmdir, self.full(key))
+        except FileNotFoundError:
+            pass  # an implicit directory: nothing to delete
+
+
+def backend_class(protocol: str) -> type[Remote]:
+    """The backend registered for ``protocol``; the generic one for any other fsspec protocol."""
+    return _BACKENDS.get(protocol) or _BACKENDS[""]
+
+
+class TruncatedResponse(ConnectionError):
+    """A read returned fewer bytes than asked without an error: retried like a dropped connection."""
+
+
+def _exactly(size: int | None, fn: Callable[..., bytes],
+             changed: Callable[[], bool] | None = None) -> Callable[..., bytes]:
+    """``fn`` (a ranged read) that fails, retryably, when it returns other than ``size`` bytes
+    (None: any number)."""
+    if size is None:
+        return fn
+
+    def read(*args: Any, **kwargs: Any) -> bytes:
+        data = fn(*args, **kwargs)
+        if len(data) != size:
+            if changed is not None and changed():
+                raise StaleVersionError(f"object changed: {len(data)} of {size} bytes")
+            raise TruncatedResponse(f"short read: {len(data)} of {size} bytes")
+        return data
+
+    return read
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def is_precondition_failure(exc: BaseException) -> bool:
+    """HTTP 412: botocore's answer (s3fs turns it into EINVAL, the response is in the cause
+    chain) or an error that carries the status itself."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        if getattr(current, "status", None) == PRECONDITION_STATUS:
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == PRECONDITION_STATUS:
+                return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError, UsageError, StaleVersionError)):
+        return False  # (a StaleVersionError carries the store's 412 in its context: an answer)
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _TRANSIENT_NAMES:
+            return True
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(status, int) and status in TRANSIENT_STATUS:
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in TRANSIENT_STATUS or response.get("Error", {}).get("Code") in ("SlowDown", "Throttling"):
+            return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)

@@ -1,0 +1,111 @@
+"""What S3 and GCS share: directories are prefixes, an empty one is a ``name/`` marker object,
+keys are UTF-8, commits carry a precondition the server checks, big files go in parts.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import os
+from typing import Any, ClassVar
+
+from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.remote.base import MiB, Remote
+from marinfs.uploads import S3_MAX_PARTS, PartSession, upload_file
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ObjectStoreRemote(Remote, abc.ABC):
+    object_store = True
+    streams = True
+    version_kind: ClassVar[str] = ""  # the kind of ObjectVersion this store issues and checks
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        options = super()._options(options)
+        options.setdefault("use_listings_cache", False)
+        return options
+
+    def full(self, key: str) -> str:
+        if key and not _utf8(key):
+            # A name that is not UTF-8 (surrogate-escaped bytes) cannot be a key: a clear errno
+            # instead of an encoding error deep in the client.
+            raise OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not", key)
+        return super().full(key)
+
+    def _check(self) -> None:
+        bucket = self.root.split("/", 1)[0]
+        self._call("list", self.fs.ls, bucket + "/", detail=False)
+
+    # -- metadata ------------------------------------------------------------------------------
+    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+        """On object stores a file costs one request (a HEAD, or GCS's metadata GET) and a
+        directory two (that HEAD, then a one-key delimited LIST), where fsspec's ``info`` spends
+        two to three on either. ``likely_dir`` (it was a directory last time) asks the LIST
+        first, so revalidating a known directory costs one request."""
+        if not key:
+            return super().stat(key)
+        full = self.full(key)
+        if likely_dir and self._call("list", self._prefix_exists, full):
+            return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
+        try:
+            return self._info_of(self._call("head", self._head_object, full), key)
+        except FileNotFoundError:
+            pass
+        if not likely_dir and self._call("list", self._prefix_exists, full):
+            return ObjectInfo(name=key, is_dir=True)
+        raise FileNotFoundError(errno.ENOENT, "no such object or prefix", self.url + "/" + key)
+
+    @abc.abstractmethod
+    def _head_object(self, full: str) -> dict[str, Any]:
+        """One object's metadata in one request, as an fsspec info dict."""
+
+    @abc.abstractmethod
+    def _prefix_exists(self, full: str) -> bool:
+        """Whether anything is under ``full/`` (a one-key delimited listing)."""
+
+    def _is_marker(self, raw: dict[str, Any], name: str) -> bool:
+        return name.endswith("/")
+
+    # -- commits -------------------------------------------------------------------------------
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
+        """One conditional PUT below a part, else a part session (parts in parallel where the
+        store allows); the precondition is checked by the server, atomically."""
+        if expect is not None and expect.kind not in ("absent", self.version_kind):
+            # A version this store did not issue (a journal from another backend): compare.
+            return super().upload(local_path, key, expect)
+        size = os.path.getsize(local_path)
+        if size >= self.settings.upload_part_size:  # parts count their own bytes
+            # S3 allows 10,000 parts: files past 160 GB get bigger parts, fewer at a time.
+            part = max(self.settings.upload_part_size, -(-size // S3_MAX_PARTS // MiB) * MiB)
+            in_flight = max(1, min(self.settings.upload_concurrency, (256 * MiB) // part))
+            return upload_file(local_path, lambda: self.part_session(key, expect, part),
+                               part, self.part_pool, in_flight)
+        with open(local_path, "rb") as f:
+            version = self._put_small(f.read(), key, expect)
+        self.stats.add_bytes(bytes_out=size)
+        return version
+
+    @abc.abstractmethod
+    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """One conditional PUT of a whole object; its new version if the store says."""
+
+    @abc.abstractmethod
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> PartSession:
+        """A multipart (S3) or resumable (GCS) upload of ``key``."""
+
+    # -- directories ---------------------------------------------------------------------------
+    def make_dir(self, key: str) -> None:
+        self._call("put", self.fs.pipe_file, self.full(key) + "/", b"")  # the `dir/` marker object
+
+    def remove_dir(self, key: str) -> None:
+        try:
+            self._call("delete", self.fs.rm_file, self.full(key) + "/")
+        except FileNotFoundError:
+            pass  # an implicit directory: nothing to delete

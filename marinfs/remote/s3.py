@@ -1,0 +1,238 @@
+"""S3 (and S3-compatible stores): s3fs for what it does well, plain HTTP for the hot paths.
+
+Reads, small commits, upload parts and listings go as presigned URLs over urllib3 on the
+calling threads (s3http.py: half the CPU per GiB of s3fs's event loop); creating and completing
+multipart uploads, HEADs, copies and deletes stay with s3fs. Versions are ETags; every commit
+carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import fsspec.asyn
+
+from marinfs.errors import PreconditionFailed
+from marinfs.objects import ObjectVersion, s3_match
+from marinfs.remote.base import _exactly
+from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.s3http import DirectGet, Presigner
+from marinfs.uploads import Counter, Runner
+
+log = logging.getLogger(__name__)
+
+
+def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
+    """Run a coroutine on fsspec's event loop from a worker thread."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+class S3Remote(ObjectStoreRemote):
+    protocols = ("s3", "s3a")
+    version_kind = "etag"
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(url, storage_options, settings)
+        self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
+        self._direct = self._direct_get()
+        if self._direct is not None:
+            self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Our timeouts, and botocore's retries reduced to one attempt: ours is the one loop."""
+        options = super()._options(options)
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", self.settings.connect_timeout)
+        config.setdefault("read_timeout", self.settings.read_timeout)
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        options["config_kwargs"] = config
+        return options
+
+    def _instrument(self) -> bool:
+        client = fsspec.asyn.sync(self.fs.loop, self.fs.set_session)
+        stats = self.stats
+
+        def before_send(event_name: str = "", **_: Any) -> None:
+            stats.add(_s3_kind(event_name.rsplit(".", 1)[-1]))
+
+        client.meta.events.register("before-send.s3", before_send)
+        return True
+
+    def _direct_get(self) -> DirectGet | None:
+        """Ranged GETs on plain threads (see s3http.py), unless s3fs adds request options a
+        presigned URL cannot carry (requester pays, SSE-C) or MARINFS_DIRECT_GET=0."""
+        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0" or self.fs.req_kw or self.fs.s3_additional_kwargs:
+            return None
+        config = dict(getattr(self.fs, "config_kwargs", None) or {})
+        verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
+        if verify is None:
+            verify = os.environ.get("AWS_CA_BUNDLE") or True
+        self._presigner = Presigner(self.fs)
+        return DirectGet(self._presigner.url,
+                         connect_timeout=float(config.get("connect_timeout", self.settings.connect_timeout)),
+                         read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
+                         verify=verify)
+
+    # -- metadata ------------------------------------------------------------------------------
+    def _head_object(self, full: str) -> dict[str, Any]:
+        bucket, key, _ = self.fs.split_path(full)
+        head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+        return {"name": full, "type": "file", "size": head.get("ContentLength", 0),
+                "ETag": head.get("ETag"), "LastModified": head.get("LastModified")}
+
+    def _prefix_exists(self, full: str) -> bool:
+        bucket, key, _ = self.fs.split_path(full)
+        out = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key.rstrip("/") + "/", Delimiter="/",
+                              MaxKeys=1)
+        return bool(out.get("Contents") or out.get("CommonPrefixes"))
+
+    def _list_entries(self, full: str) -> list[dict[str, Any]]:
+        if self._direct is None:
+            return super()._list_entries(full)
+        bucket, path, _ = self.fs.split_path(full)
+        return self._call("list", self._direct.list, bucket, path.rstrip("/") + "/" if path else "",
+                          self._presign_list)
+
+    def _presign_list(self, params: dict[str, str]) -> str:
+        return self._presigner.listing(params)
+
+    # -- data ----------------------------------------------------------------------------------
+    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
+        etag = version.value if version is not None and version.kind == "etag" else None
+        if self._direct is not None and (version is None or etag):
+            return self._call("get", _exactly(want, self._get_direct), self.full(key), start, end, etag)
+        if etag:
+            return self._read_call(_exactly(want, self._s3_get_if_match), self.full(key), start, end, etag)
+        return super()._read(key, start, end, version, want)
+
+    def _get_direct(self, full: str, start: int, end: int, etag: str | None) -> bytes:
+        assert self._direct is not None
+        self.stats.add("get")  # not seen by botocore's hook: count it here
+        return self._direct.get(full, start, end, etag)
+
+    def _s3_get_if_match(self, full: str, start: int, end: int, etag: str) -> bytes:
+        bucket, key, _ = self.fs.split_path(full)
+
+        async def get() -> bytes:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag,
+                                          Range=f"bytes={start}-{end - 1}")
+            async with resp["Body"] as body:
+                return await body.read()
+
+        return fsspec.asyn.sync(self.fs.loop, get)
+
+    # -- commits -------------------------------------------------------------------------------
+    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
+        full = self.full(key)
+        bucket, path, _ = self.fs.split_path(full)
+        md5 = hashlib.md5(data)
+        try:
+            if self._direct is not None:
+                self.stats.add("put")  # not seen by botocore's hook: count it here
+                headers = {"Content-MD5": base64.b64encode(md5.digest()).decode(),
+                           **(expect.s3_headers() if expect is not None else {})}
+                etag = self._call("put", self._direct.put, full, data, headers)
+            else:
+                out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
+                                 Bucket=bucket, Key=path, Body=data, **s3_match(expect))
+                etag = (out.get("ETag") or "").strip('"') or None
+        except PreconditionFailed:
+            # A retried PUT whose first answer was lost meets its own object: same bytes,
+            # so it is ours (or identical), not a conflict.
+            try:
+                current = self.stat(key)
+            except FileNotFoundError:
+                raise PreconditionFailed(f"{self.url}/{key} changed since it was opened") from None
+            if current.version != ObjectVersion.etag(md5.hexdigest()):
+                raise
+            etag = md5.hexdigest()
+        return ObjectVersion.etag(etag) if etag else None
+
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> S3Session:
+        """A multipart upload of ``key``: its parts over plain HTTP where the direct path is on."""
+        full = self.full(key)
+        bucket, path, _ = self.fs.split_path(full)
+        put_part = None
+        if self._direct is not None:
+            direct = self._direct
+
+            def put_part(upload_id: str, number: int, data: bytes) -> str:
+                self.stats.add("part")  # not seen by botocore's hook: count it here
+                return direct.put_part(full, upload_id, number, data)
+
+        return S3Session(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size,
+                         lambda kind, fn: self._call(kind, fn), lambda n: self.stats.add_bytes(bytes_out=n),
+                         put_part=put_part)
+
+
+class S3Session:
+    """A multipart upload. Parts are fixed ranges of ``part_size``; any part may be sent again,
+    so a write that patches bytes already sent (zip writers seek back to fix headers) only marks
+    that part for resending. CompleteMultipartUpload carries ``If-Match``/``If-None-Match``."""
+
+    ordered = False
+
+    def __init__(self, fs: Any, bucket: str, key: str, expect: ObjectVersion | None, part_size: int,
+                 run: Runner, sent: Counter = lambda n: None,
+                 put_part: Callable[[str, int, bytes], str] | None = None) -> None:
+        self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
+        self._sent = sent
+        self._put_part = put_part  # parts sent without s3fs (s3http.py), if given
+        self.match = s3_match(expect)
+        self.etags: dict[int, str] = {}
+        self._lock = threading.Lock()
+        out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)))
+        self.upload_id = out["UploadId"]
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None:
+        if self._put_part is not None:
+            put = self._put_part
+            etag = self._run("part", lambda: put(self.upload_id, index + 1, data))
+        else:
+            etag = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
+                "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                PartNumber=index + 1, Body=data)))["ETag"]
+        with self._lock:
+            self.etags[index] = etag
+        self._sent(len(data))
+
+    def complete(self, parts: int, total: int) -> ObjectVersion | None:
+        listed = [{"PartNumber": i + 1, "ETag": self.etags[i]} for i in range(parts)]
+        out = self._run("part", lambda: _run(self.fs.loop, self.fs._call_s3(
+            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+            MultipartUpload={"Parts": listed}, **self.match)))
+        etag = out.get("ETag")
+        return ObjectVersion.etag(etag) if etag else None
+
+    def abort(self) -> None:
+        try:
+            _run(self.fs.loop, self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                                UploadId=self.upload_id), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - best effort: a lifecycle rule reaps the rest
+            log.warning("could not abort the multipart upload of %s: %s", self.key, exc)
+
+
+def _s3_kind(operation: str) -> str:
+    if operation.startswith("List"):
+        return "list"
+    if operation.startswith("Head"):
+        return "head"
+    if operation == "GetObject":
+        return "get"
+    if operation == "PutObject":
+        return "put"
+    if operation in ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+                     "AbortMultipartUpload", "UploadPartCopy"):
+        return "part"
+    if operation == "CopyObject":
+        return "copy"
+    if operation.startswith("Delete"):
+        return "delete"
+    return operation
