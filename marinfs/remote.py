@@ -9,7 +9,6 @@ how a file is committed atomically, and it counts every request it makes.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures as cf
 import datetime as _dt
 import errno
@@ -48,7 +47,6 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 T = TypeVar("T")
 MiB = 1 << 20
 NAME_MAX = 255
-_HEADER = {"IfMatch": "If-Match", "IfNoneMatch": "If-None-Match"}  # botocore parameter -> HTTP header
 
 
 def _utf8(text: str) -> bool:
@@ -188,6 +186,7 @@ class Remote:
         self._part_pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._direct = self._direct_get() if protocol in ("s3", "s3a") else None
+        self._direct_refused = False  # set once a server refuses our own requests but not s3fs's
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
 
@@ -364,8 +363,11 @@ class Remote:
         full = self.full(key)
         if self._direct is not None:
             bucket, path, _ = self.fs.split_path(full)
-            entries = self._call("list", self._direct.list, bucket, path.rstrip("/") + "/" if path else "",
-                                 self._presign_list)
+            direct = self._direct
+            entries = self._direct_first(
+                "list", lambda: self._call("list", direct.list, bucket, path.rstrip("/") + "/" if path else "",
+                                           self._presign_list),
+                lambda: self._call("list", self.fs.ls, full, detail=True))
         else:
             entries = self._call("list", self.fs.ls, full, detail=True)
         result: dict[str, ObjectInfo] = {}
@@ -393,6 +395,26 @@ class Remote:
                 raise NotADirectoryError(key)
         return list(result.values())
 
+    def _direct_first(self, kind: str, direct: Callable[[], T], sdk: Callable[[], T]) -> T:
+        """One S3 request sent by us (``direct``), or through s3fs (``sdk``) once a server has
+        refused ours (403) where s3fs's passes: a store that signs or checks differently from
+        what we expect (an old SigV2-only proxy, a policy on query auth) must cost speed, never
+        a commit or a read. A denial that s3fs meets as well is the real answer."""
+        if self._direct is None or self._direct_refused:
+            return sdk()
+        try:
+            return direct()
+        except PermissionError as refused:
+            try:
+                result = sdk()
+            except PermissionError:
+                raise refused from None
+            if not self._direct_refused:
+                self._direct_refused = True
+                log.warning("%s: the server refused our direct %s (%s) but not s3fs's; every request goes "
+                            "through s3fs from now on", self.url, kind, _one_line(refused))
+            return result
+
     def _presign_list(self, params: dict[str, str]) -> str:
         return self._presigner.listing(params)
 
@@ -410,11 +432,15 @@ class Remote:
         # A version fixes the size, and callers ask only within it: fewer bytes than asked is a
         # response cut short, retried like any transient failure, never handed on.
         want = end - start if version else None
-        if self._direct is not None and (not version or version.startswith("e")):
-            data = self._call("get", _exactly(want, self._get_direct), full, start, end,
-                              version[1:] if version else None)
-        elif version and self.protocol in ("s3", "s3a") and version.startswith("e"):
-            data = self._call("get", _exactly(want, self._s3_get_if_match), full, start, end, version[1:])
+        if self.protocol in ("s3", "s3a") and (not version or version.startswith("e")):
+            etag = version[1:] if version else None
+            if etag:
+                sdk = lambda: self._call("get", _exactly(want, self._s3_get_if_match),  # noqa: E731
+                                         full, start, end, etag)
+            else:
+                sdk = lambda: self._call("get", self.fs.cat_file, full, start=start, end=end)  # noqa: E731
+            data = self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
+                                                                full, start, end, etag), sdk)
         elif version and self.protocol in ("gs", "gcs") and version.startswith("g"):
             try:
                 data = self._call("get", _exactly(want, fsspec.asyn.sync), self.fs.loop,
@@ -513,16 +539,18 @@ class Remote:
         bucket, path, _ = self.fs.split_path(full)
         if self.protocol in ("s3", "s3a"):
             md5 = hashlib.md5(data)
+            def sdk_put() -> str | None:
+                out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
+                                 Bucket=bucket, Key=path, Body=data, **s3_match(expect))
+                return (out.get("ETag") or "").strip('"') or None
+
+            def direct_put() -> str | None:
+                assert self._direct is not None
+                self.stats.add("put")  # not seen by botocore's hook: count it here
+                return self._call("put", self._direct.put, full, data, s3_match(expect))
+
             try:
-                if self._direct is not None:
-                    self.stats.add("put")  # not seen by botocore's hook: count it here
-                    headers = {"Content-MD5": base64.b64encode(md5.digest()).decode(),
-                               **{_HEADER[k]: v for k, v in s3_match(expect).items()}}
-                    etag = self._call("put", self._direct.put, full, data, headers)
-                else:
-                    out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
-                                     Bucket=bucket, Key=path, Body=data, **s3_match(expect))
-                    etag = (out.get("ETag") or "").strip('"') or None
+                etag = self._direct_first("put", direct_put, sdk_put)
             except PreconditionFailed:
                 # A retried PUT whose first answer was lost meets its own object: same bytes,
                 # so it is ours (or identical), not a conflict.
@@ -554,8 +582,15 @@ class Remote:
             direct, full = self._direct, self.full(key)
 
             def put_part(upload_id: str, number: int, data: bytes) -> str:
-                self.stats.add("part")  # not seen by botocore's hook: count it here
-                return direct.put_part(full, upload_id, number, data)
+                def ours() -> str:
+                    self.stats.add("part")  # not seen by botocore's hook: count it here
+                    return direct.put_part(full, upload_id, number, data)
+
+                def sdk() -> str:
+                    return fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "upload_part", Bucket=bucket, Key=path,
+                                            UploadId=upload_id, PartNumber=number, Body=data)["ETag"]
+
+                return self._direct_first("part", ours, sdk)
 
             return S3Session(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size, run,
                              sent, put_part=put_part)
