@@ -397,5 +397,6 @@ def markdown_table(rows: tuple[Setting, ...]) -> str:
 
 if __name__ == "__main__":  # python -m marinfs.settings > table.md: regenerate the docs table
     from marinfs.config import SETTINGS
+    from marinfs.settings import markdown_table as table_of  # not __main__'s copy of the kinds
 
-    print(markdown_table(SETTINGS))
+    print(table_of(SETTINGS))
