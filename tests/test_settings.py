@@ -239,3 +239,27 @@ def test_every_setting_reaches_the_daemon(route: str, values: dict[str, Any], tm
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 4321, 0o600)
         with pytest.raises(OSError):
             (mnt / "b.txt").write_text("b")
+
+
+def test_the_child_command_reads_back_as_the_same_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mounting: the background child's argv and environment, parsed as the child
+    parses them, give back exactly the parent's config, whatever MARINFS_* the parent had."""
+    from marinfs.cli import _mount_config, build_parser
+    from marinfs.config import MountConfig
+    from marinfs.daemon import child_command
+
+    values = samples(tmp_path)
+    values.pop("foreground")
+    values["storage_options"] = (("auto_mkdir", True), ("token", "secret-value"))
+    values["cache_dir"] = Path(values["cache_dir"])
+    cfg = MountConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}).validate()
+    argv, env = child_command(cfg, {"MARINFS_CACHE_SIZE": "1G", "MARINFS_PYTHON": "/bin/py", "PATH": "/bin"})
+    assert env["MARINFS_PYTHON"] == "/bin/py" and "MARINFS_CACHE_SIZE" not in env  # ours are flags now
+    assert "secret-value" not in " ".join(argv)  # storage options never on a command line
+    for name in [k for k in os.environ if k.startswith("MARINFS_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert argv[1:4] == ["-m", "marinfs", "mount"]
+    child = _mount_config(build_parser().parse_args(argv[3:]))
+    assert child == MountConfig(**{**cfg.__dict__, "foreground": True})
