@@ -57,7 +57,7 @@ class MountConfig:
     remote: str = setting(
         kind=REMOTE, positional=True, doc_default="`$MARIN_PREFIX`",
         help="what to mount: an fsspec URL (gs://, s3://, memory://) or a local path")
-    mountpoint: str = setting(kind=PATH, positional=True, help="an existing empty directory")
+    mountpoint: str = setting(kind=PATH, positional=True, help="an existing directory, where the remote appears")
     foreground: bool = setting(
         False, kind=BOOL, short="-f", routes=frozenset({FLAG}),
         help="stay attached (systemd, debugging); Ctrl-C unmounts")
@@ -115,7 +115,8 @@ class MountConfig:
     max_readahead_chunks: int = setting(
         32, kind=INT, low=0, help="how many chunks a sequential reader's readahead may run ahead (0: none)")
     # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
-    read_ahead_kb: int = setting(1024, kind=INT, low=0, help="kernel readahead of the mount in KiB (root only; 0 leaves it)")
+    read_ahead_kb: int = setting(1024, kind=INT, low=0,
+                                 help="kernel readahead of the mount in KiB (root only; 0 leaves it)")
     # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
     metrics_port: int = setting(0, kind=INT, low=0, high=65535, doc_default="0 (off)",
                                 help="serve Prometheus metrics on ADDR:PORT/metrics (0: off)")

@@ -2,8 +2,9 @@
 
 A systemd unit or fstab line cannot carry twenty flags readably, so every ``marinfs mount`` flag
 also has a key here (the flag's snake_case name); the settings table (config.SETTINGS) has the
-keys, their converters and bounds. Values come back in the types MountConfig takes, validated, so a bad file fails before anything is mounted, with one line that
-names the file (or variable), the key and the problem.
+keys, their converters and bounds. Values come back in the types MountConfig takes, validated,
+so a bad file fails before anything is mounted, with one line that names the file (or
+variable), the key and the problem.
 """
 
 from __future__ import annotations

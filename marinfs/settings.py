@@ -364,10 +364,6 @@ def table(cls: type) -> tuple[Setting, ...]:
     return tuple(rows)
 
 
-def usage_error(where: str, exc: Bad) -> UsageError:
-    return UsageError(f"{where}: {exc}")
-
-
 def markdown_table(rows: tuple[Setting, ...]) -> str:
     """docs/usage.md's settings reference (tests/test_docs.py keeps the two equal)."""
     out = ["| key (TOML, `MARINFS_<KEY>`) | flag | fstab | default | meaning |", "|---|---|---|---|---|"]
