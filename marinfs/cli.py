@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from marinfs import __version__
-from marinfs.config import (LOG_LEVELS, MountConfig, default_cache_dir, normalize_remote, parse_mode,
-                            parse_size, parse_storage_option)
+from marinfs.config import BY_NAME, SETTINGS, MountConfig, default_cache_dir, normalize_remote
 from marinfs.errors import MarinfsError, UsageError
+from marinfs.settings import BOOL, FLAG, Bad, Setting
 
 log = logging.getLogger("marinfs")
 
@@ -27,12 +28,32 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _storage_value(text: str) -> object:
-    """Storage option values are JSON when they parse as JSON (true, 30, {...}), else strings."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _flag_type(s: Setting) -> Callable[[str], Any]:
+    """argparse ``type=`` for one setting: the table's converter, its error as one line."""
+    def convert(text: str) -> Any:
+        try:
+            return s.parse_element(text) if s.kind.element is not None else s.parse(text)
+        except Bad as exc:
+            raise UsageError(f"{s.flag_name}: {exc}") from None
+    return convert
+
+
+def _add_setting_flags(m: argparse.ArgumentParser) -> None:
+    """One flag per setting of the table that flags may set. Each defaults to None, "not given",
+    so the config file and MARINFS_* variables can supply it; MountConfig holds the defaults."""
+    for s in SETTINGS:
+        if s.positional or not s.allows(FLAG):
+            continue
+        names = [s.flag_name, *([s.short] if s.short else [])]
+        default = s.describe_default().replace("`", "")
+        text = f"{s.help} ({default})" if default not in ("none", "required") else s.help
+        if s.kind is BOOL:
+            m.add_argument(*names, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=text.replace("%", "%%"))
+        else:
+            m.add_argument(*names, dest=s.name, type=_flag_type(s), metavar=s.kind.metavar,
+                           action="append" if s.kind.element is not None else "store",
+                           help=text.replace("%", "%%"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,40 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount REMOTE (default $MARIN_PREFIX) at MOUNTPOINT")
     m.add_argument("args", nargs="*", metavar="[REMOTE] MOUNTPOINT")
     m.add_argument("--config", help="TOML file with any of the settings below (flags win)")
-    m.add_argument("--foreground", "-f", action="store_true", help="stay attached (systemd, debugging)")
-    # Every setting defaults to None here: "not given", so the config file and MARINFS_*
-    # variables can supply it; MountConfig holds the real defaults.
-    m.add_argument("--read-only", action="store_true", default=None)
-    m.add_argument("--allow-other", action="store_true", default=None, help="let other users see the mount")
-    m.add_argument("--uid", type=int)
-    m.add_argument("--gid", type=int)
-    m.add_argument("--file-mode", type=parse_mode)
-    m.add_argument("--dir-mode", type=parse_mode)
-    m.add_argument("--log-level", choices=LOG_LEVELS)
-    m.add_argument("--log-file")
-    m.add_argument("--cache-dir", type=Path)
-    m.add_argument("--metadata-ttl", type=float, help="seconds a stat is trusted (5)")
-    m.add_argument("--negative-ttl", type=float, help="seconds a 'does not exist' is trusted (1)")
-    m.add_argument("--list-ttl", type=float, help="seconds a directory listing is trusted (--metadata-ttl)")
-    m.add_argument("--list-prefetch", action=argparse.BooleanOptionalAction, default=None,
-                   help="list directories ahead of lookups and walkers, object stores only (on)")
-    m.add_argument("--immutable", action="append", metavar="GLOB",
-                   help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'")
-    m.add_argument("--mount-timeout", type=float)
-    m.add_argument("--drain-timeout", type=float, help="seconds unmount waits for pending commits (300)")
-    m.add_argument("--commit-retry-interval", type=float, help="seconds between retries of failed commits (30)")
-    m.add_argument("--connect-timeout", type=float, help="seconds to connect to the remote (30)")
-    m.add_argument("--read-timeout", type=float, help="seconds a remote response may stall (120)")
-    m.add_argument("--retries", type=int, help="attempts per remote call for transient errors (5)")
-    m.add_argument("--chunk-size", type=parse_size, help="bytes per ranged GET and cache chunk (8M)")
-    m.add_argument("--cache-size", type=parse_size, help="hard limit of the chunk cache, 0: off (20G)")
-    m.add_argument("--cache-min-free", type=parse_size, help="free space to leave on the cache disk (1G)")
-    m.add_argument("--prefetch-workers", type=int, help="parallel ranged GETs (8)")
-    m.add_argument("--read-ahead-kb", type=int, help="kernel readahead, root only, 0: leave (1024)")
-    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (0: off)")
-    m.add_argument("--metrics-addr", help="address the metrics server binds (127.0.0.1)")
-    m.add_argument("-o", "--storage-option", action="append", default=[], type=parse_storage_option,
-                   metavar="KEY=VALUE", help="fsspec storage option (repeatable)")
+    _add_setting_flags(m)
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
     u.add_argument("mountpoint", nargs="?")
@@ -116,30 +104,26 @@ def _mount_config(ns: argparse.Namespace) -> MountConfig:
 
     if len(ns.args) > 2:
         raise UsageError("mount takes [REMOTE] MOUNTPOINT")
-    flags = {k: v for k, v in vars(ns).items() if k in configfile.KEYS and v is not None}
-    if ns.immutable:
-        flags["immutable"] = tuple(ns.immutable)
-    if ns.storage_option:
-        flags["storage_options"] = {k: _storage_value(v) for k, v in ns.storage_option}
-    if len(ns.args) == 2:
-        flags["remote"], flags["mountpoint"] = ns.args
-    elif len(ns.args) == 1:
-        flags["mountpoint"] = ns.args[0]
+    flags: dict[str, Any] = {}
+    for s in SETTINGS:
+        value = getattr(ns, s.name, None)
+        if value is not None and not s.positional:
+            flags[s.name] = s.kind.gather(value) if s.kind.element is not None else value
+    for name, text in zip(("mountpoint",) if len(ns.args) == 1 else ("remote", "mountpoint"), ns.args):
+        try:
+            flags[name] = BY_NAME[name].parse(text)
+        except Bad as exc:
+            raise UsageError(f"{name.upper()}: {exc}") from None
     file = configfile.load_file(ns.config) if ns.config else {}
     values = configfile.merge(file, configfile.from_env(os.environ), flags)
-    remote = values.pop("remote", None) or os.environ.get("MARIN_PREFIX", "")
-    if not remote:
-        raise UsageError("no REMOTE given and $MARIN_PREFIX is not set")
-    mountpoint = values.pop("mountpoint", None)
-    if not mountpoint:
+    if "remote" not in values:
+        if not os.environ.get("MARIN_PREFIX"):
+            raise UsageError("no REMOTE given and $MARIN_PREFIX is not set")
+        values["remote"] = normalize_remote(os.environ["MARIN_PREFIX"])
+    if "mountpoint" not in values:
         raise UsageError("no MOUNTPOINT given")
-    values["storage_options"] = tuple(sorted(values.get("storage_options", {}).items()))
-    if "cache_dir" in values:
-        values["cache_dir"] = Path(values["cache_dir"]).absolute()
-    if values.get("log_file"):
-        values["log_file"] = os.path.abspath(values["log_file"])
-    return MountConfig(remote=normalize_remote(remote), mountpoint=os.path.abspath(mountpoint),
-                       foreground=ns.foreground, **values).validate()
+    values = {name: BY_NAME[name].kind.freeze(value) for name, value in values.items()}
+    return MountConfig(**values).validate()
 
 
 def run(argv: list[str]) -> int:

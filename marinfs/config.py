@@ -1,16 +1,20 @@
-"""Mount configuration: one frozen dataclass, defaults in one place, checked by validate()."""
+"""Mount configuration: one frozen dataclass whose fields are the settings table (settings.py).
+
+Each field's default is the only place that default is written; flags, the TOML file,
+MARINFS_* variables, fstab options, the background child and docs/usage.md read it from here.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.errors import UsageError
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
+from marinfs.settings import (BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
+                              PATH, REMOTE, SECONDS, SIZE, TEXT, TOML, Bad, Setting, parse_mode, parse_size,
+                              parse_storage_option, setting, table)
 
 def default_cache_dir() -> Path:
     """Root uses /var/cache/marinfs, everyone else the XDG cache dir."""
@@ -43,13 +47,128 @@ def normalize_remote(remote: str, cwd: str | None = None) -> str:
     return re.sub(r"/{2,}", "/", path)
 
 
+_NOT_FSTAB = frozenset({FLAG, TOML, ENV, CHILD})  # a list or table has no place in a comma-separated -o
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything one mount needs: the settings table. Build it from flags, then call validate()."""
+
+    remote: str = setting(
+        kind=REMOTE, positional=True, doc_default="`$MARIN_PREFIX`",
+        help="what to mount: an fsspec URL (gs://, s3://, memory://) or a local path")
+    mountpoint: str = setting(kind=PATH, positional=True, help="an existing directory, where the remote appears")
+    foreground: bool = setting(
+        False, kind=BOOL, short="-f", routes=frozenset({FLAG}),
+        help="stay attached (systemd, debugging); Ctrl-C unmounts")
+    read_only: bool = setting(False, kind=BOOL, fstab_aliases={"ro": True, "rw": False},
+                              help="every write fails with EROFS")
+    allow_other: bool = setting(
+        False, kind=BOOL, help="let other users see the mount",
+        doc="let other users use the mount (adds `default_permissions`; non-root needs "
+            "`user_allow_other` in `/etc/fuse.conf`)")
+    uid: int = setting(factory=os.getuid, kind=INT, low=0, doc_default="the mounting user",
+                       help="owner shown for every file and directory")
+    gid: int = setting(factory=os.getgid, kind=INT, low=0, doc_default="the mounting user's group",
+                       help="group shown for every file and directory")
+    file_mode: int = setting(0o644, kind=MODE, low=0, high=0o7777, help="permissions shown for files (octal)")
+    dir_mode: int = setting(0o755, kind=MODE, low=0, high=0o7777, help="permissions shown for directories (octal)")
+    log_level: str = setting("info", kind=CHOICE, choices=LOG_LEVELS, help="debug, info, warning or error")
+    log_file: str | None = setting(
+        None, kind=PATH, help="where the daemon logs",
+        doc_default="stderr with `--foreground` (the journal under systemd), else `mount-<id>.log` "
+                    "in the runtime directory (see above)")
+    cache_dir: Path = setting(
+        factory=lambda: default_cache_dir(), kind=DIR,
+        doc_default="`/var/cache/marinfs` (root), else `$XDG_CACHE_HOME/marinfs`",
+        help="chunk cache and staged writes; created 0700; one daemon per directory")
+    # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
+    metadata_ttl: float = setting(5.0, kind=SECONDS, low=0, help="seconds a stat is trusted")
+    negative_ttl: float = setting(1.0, kind=SECONDS, low=0, help="seconds a 'does not exist' is trusted")
+    list_ttl: float | None = setting(None, kind=SECONDS, low=0, doc_default="`metadata_ttl`",
+                                     help="seconds a directory listing is trusted")
+    # Globs of paths whose objects never change once written: cached without revalidation.
+    immutable: tuple[str, ...] = setting(
+        (), kind=GLOBS, routes=_NOT_FSTAB,
+        help="paths whose objects never change once written (repeatable), e.g. 'checkpoints/*/step-*/**'",
+        doc="paths whose objects never change once written (repeatable; in a file a list): cached "
+            "without revalidation, e.g. `'checkpoints/*/step-*/**'`")
+    # Object stores: list a directory in the background once its lookups keep missing, and
+    # list a walker's next subdirectories ahead of it (docs/semantics.md).
+    list_prefetch: bool = setting(
+        True, kind=BOOL, doc_default="on (object stores)",
+        help="list directories ahead of lookups and walkers, object stores only",
+        doc="list directories in the background: after repeated lookup misses in one directory, "
+            "and ahead of a walker such as `find` (see [semantics.md](semantics.md#caching-and-other-nodes))")
+    # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
+    chunk_size: int = setting(8 << 20, kind=SIZE, low=64 << 10, high=1 << 30,
+                              help="bytes per ranged GET and per cached chunk")
+    # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
+    cache_size: int = setting(20 << 30, kind=SIZE, low=0, help="hard limit of the chunk cache (0: no disk cache)")
+    cache_min_free: int = setting(1 << 30, kind=SIZE, low=0, help="free space the cache leaves on its disk")
+    # Parallel ranged GETs ahead of sequential readers, and how far ahead (chunks) at most.
+    prefetch_workers: int = setting(
+        8, kind=INT, low=1, help="parallel ranged GETs ahead of sequential readers",
+        doc="parallel ranged GETs ahead of sequential readers (real networks need the streams; on a "
+            "2-core box that also runs the object store, fewer read faster: "
+            "[benchmarks.md](benchmarks.md#where-marinfs-loses-and-what-would-fix-it))")
+    max_readahead_chunks: int = setting(
+        32, kind=INT, low=0, help="how many chunks a sequential reader's readahead may run ahead (0: none)")
+    # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
+    read_ahead_kb: int = setting(1024, kind=INT, low=0,
+                                 help="kernel readahead of the mount in KiB (root only; 0 leaves it)")
+    # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
+    metrics_port: int = setting(0, kind=INT, low=0, high=65535, doc_default="0 (off)",
+                                help="serve Prometheus metrics on ADDR:PORT/metrics (0: off)")
+    metrics_addr: str = setting("127.0.0.1", kind=TEXT,
+                                help="address the metrics server binds (local only unless you change it)")
+    # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
+    connect_timeout: float = setting(30.0, kind=SECONDS, low=0, help="seconds to connect to the remote")
+    read_timeout: float = setting(120.0, kind=SECONDS, low=0, help="seconds a remote response may stall")
+    retries: int = setting(5, kind=INT, low=1, help="attempts per remote call for transient failures")
+    mount_timeout: float = setting(60.0, kind=SECONDS, low=0,
+                                   help="seconds `mount` (and the daemon) wait for the mount to come up")
+    # Unmount and SIGTERM wait this long for pending commits; what is left keeps its journal
+    # and is committed by the next start. Failed commits are retried every interval.
+    drain_timeout: float = setting(
+        300.0, kind=SECONDS, low=0, help="seconds unmount/SIGTERM wait for pending commits",
+        doc="seconds unmount/SIGTERM wait for pending commits (the rest keep their journal and are "
+            "committed by the next start)")
+    commit_retry_interval: float = setting(30.0, kind=SECONDS, low=0,
+                                           help="seconds between retries of failed commits while mounted")
+    storage_options: tuple[tuple[str, object], ...] = setting(
+        (), kind=OPTIONS, flag="--storage-option", short="-o", routes=_NOT_FSTAB, child_env=True,
+        help="fsspec storage option (repeatable); values that parse as JSON are JSON (-o anon=true)",
+        doc="an fsspec storage option (repeatable; in a file a `[storage_options]` table, in the "
+            "environment a JSON object); values that parse as JSON are JSON (`-o anon=true`). They "
+            "reach the daemon through its environment, never its command line, so they do not show in `ps`")
+
+    def remote_settings(self) -> RemoteSettings:
+        return RemoteSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                              attempts=self.retries)
+
+    def validate(self) -> "MountConfig":
+        """The table's bounds, for configs built in Python (every route already checked its input)."""
+        for s in SETTINGS:
+            try:
+                s.check(getattr(self, s.name))
+            except Bad as exc:
+                raise UsageError(f"{s.name}: {exc}") from None
+        return self
+
+
+SETTINGS: tuple[Setting, ...] = table(MountConfig)
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
+
+
 @dataclass(frozen=True)
 class RemoteSettings:
     """Bounds on every remote call, so a wedged request fails instead of hanging a syscall."""
 
-    connect_timeout: float = 30.0
-    read_timeout: float = 120.0
-    attempts: int = 5
+    connect_timeout: float = _DEFAULTS["connect_timeout"]
+    read_timeout: float = _DEFAULTS["read_timeout"]
+    attempts: int = _DEFAULTS["retries"]
     backoff_base: float = 0.25
     backoff_max: float = 10.0
     # Commits to S3/GCS go in parts of this size (S3 allows 10,000 of them: 160 GB at 16 MiB;
@@ -59,109 +178,5 @@ class RemoteSettings:
     upload_concurrency: int = 4
 
 
-@dataclass(frozen=True)
-class MountConfig:
-    """Everything one mount needs. Build it from flags, then call validate()."""
-
-    remote: str
-    mountpoint: str
-    read_only: bool = False
-    allow_other: bool = False
-    uid: int = field(default_factory=os.getuid)
-    gid: int = field(default_factory=os.getgid)
-    file_mode: int = 0o644
-    dir_mode: int = 0o755
-    log_level: str = "info"
-    log_file: str | None = None
-    foreground: bool = False
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
-    metadata_ttl: float = 5.0
-    negative_ttl: float = 1.0
-    list_ttl: float | None = None  # None: the same as metadata_ttl
-    # Globs of paths whose objects never change once written: cached without revalidation.
-    immutable: tuple[str, ...] = ()
-    # Object stores: list a directory in the background once its lookups keep missing, and
-    # list a walker's next subdirectories ahead of it (docs/semantics.md).
-    list_prefetch: bool = True
-    # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
-    chunk_size: int = 8 << 20
-    # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
-    cache_size: int = 20 << 30
-    cache_min_free: int = 1 << 30
-    # Parallel ranged GETs ahead of sequential readers, and how far ahead (chunks) at most.
-    prefetch_workers: int = 8
-    max_readahead_chunks: int = 32
-    # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
-    read_ahead_kb: int = 1024
-    # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
-    metrics_port: int = 0
-    metrics_addr: str = "127.0.0.1"
-    # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
-    connect_timeout: float = 30.0
-    read_timeout: float = 120.0
-    retries: int = 5
-    mount_timeout: float = 60.0
-    # Unmount and SIGTERM wait this long for pending commits; what is left keeps its journal
-    # and is committed by the next start. Failed commits are retried every interval.
-    drain_timeout: float = 300.0
-    commit_retry_interval: float = 30.0
-    storage_options: tuple[tuple[str, str], ...] = ()
-
-    def remote_settings(self) -> RemoteSettings:
-        return RemoteSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                              attempts=self.retries)
-
-    def validate(self) -> "MountConfig":
-        if self.log_level not in LOG_LEVELS:
-            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
-        for name in ("file_mode", "dir_mode"):
-            value = getattr(self, name)
-            if not 0 <= value <= 0o7777:
-                raise UsageError(f"--{name.replace('_', '-')} {oct(value)} is not a permission mode")
-        for name in ("uid", "gid"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name} must be >= 0")
-        for name in ("metadata_ttl", "negative_ttl", "list_ttl", "connect_timeout", "read_timeout",
-                     "mount_timeout"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:  # NaN too: a TTL of NaN never expires
-                raise UsageError(f"{name.replace('_', '-')} must be a number >= 0, not {value}")
-        if self.retries < 1:
-            raise UsageError("--retries must be >= 1")
-        if not 64 << 10 <= self.chunk_size <= 1 << 30:
-            raise UsageError("--chunk-size must be between 64K and 1G")
-        if self.cache_size < 0 or self.cache_min_free < 0:
-            raise UsageError("cache sizes must be >= 0")
-        if not 0 <= self.metrics_port <= 65535:
-            raise UsageError("--metrics-port must be a TCP port (0: off)")
-        if self.prefetch_workers < 1 or self.max_readahead_chunks < 0 or self.read_ahead_kb < 0:
-            raise UsageError("prefetch workers must be >= 1, readahead >= 0")
-        return self
-
-
-def parse_mode(text: str) -> int:
-    """Parse an octal permission mode such as ``0644`` or ``755``."""
-    try:
-        return int(text, 8)
-    except ValueError:
-        raise UsageError(f"{text!r} is not an octal mode such as 0644") from None
-
-
-def parse_storage_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise UsageError(f"storage option {text!r} is not KEY=VALUE")
-    return key, value
-
-
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``200G``, ``512M``, ``8MiB``, ``1048576`` -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
-    if not match:
-        raise UsageError(f"{text!r} is not a size such as 512M or 200G")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+__all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "default_cache_dir",
+           "normalize_remote", "parse_mode", "parse_size", "parse_storage_option"]

@@ -11,16 +11,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from marinfs.config import MountConfig
+from marinfs.config import SETTINGS, MountConfig
 from marinfs.errors import MountError, UsageError
 from marinfs.mounts import live_mounts
 from marinfs.notify import sd_notify
+from marinfs.settings import CHILD, ENV
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "marinfs[%(process)d] %(levelname)s %(name)s: %(message)s"
-STORAGE_OPTIONS_ENV = "MARINFS_STORAGE_OPTIONS"  # passed by env, never on a command line
 
 
 def runtime_dir() -> Path:
@@ -149,6 +150,11 @@ def set_read_ahead(mountpoint: str, kib: int) -> None:
         log.info("kernel readahead of %s left as is (%s)", mountpoint, exc.strerror)
 
 
+def effective_settings(cfg: MountConfig) -> dict[str, object]:
+    """What this daemon runs with, for `marinfs status --json` (storage options: names only)."""
+    return {s.name: s.to_json(getattr(cfg, s.name)) for s in SETTINGS}
+
+
 def run_foreground(cfg: MountConfig) -> None:
     """Check everything, then serve the mount until it is unmounted or signalled."""
     setup_logging(cfg.log_level, cfg.log_file)
@@ -159,7 +165,8 @@ def run_foreground(cfg: MountConfig) -> None:
     adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode)
     state = state_file(cfg.mountpoint)
     state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir)}))
+                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),
+                                 "settings": effective_settings(cfg)}))
     if cfg.metrics_port:
         from marinfs.metrics import Metrics
 
@@ -206,28 +213,7 @@ def start_background(cfg: MountConfig) -> Path:
     # Bad input (URL, bucket, endpoint, credentials) fails here with exit code 2.
     Remote(cfg.remote, dict(cfg.storage_options), cfg.remote_settings()).check()
     log_file = Path(cfg.log_file) if cfg.log_file else state_file(cfg.mountpoint).with_suffix(".log")
-    argv = [sys.executable, "-m", "marinfs", "mount", cfg.remote, cfg.mountpoint, "--foreground",
-            "--uid", str(cfg.uid), "--gid", str(cfg.gid), "--file-mode", oct(cfg.file_mode),
-            "--dir-mode", oct(cfg.dir_mode), "--log-level", cfg.log_level,
-            "--cache-dir", str(cfg.cache_dir), "--metadata-ttl", str(cfg.metadata_ttl),
-            "--negative-ttl", str(cfg.negative_ttl), "--connect-timeout", str(cfg.connect_timeout),
-            "--read-timeout", str(cfg.read_timeout), "--retries", str(cfg.retries),
-            "--chunk-size", str(cfg.chunk_size), "--cache-size", str(cfg.cache_size),
-            "--cache-min-free", str(cfg.cache_min_free), "--prefetch-workers", str(cfg.prefetch_workers),
-            "--read-ahead-kb", str(cfg.read_ahead_kb), "--drain-timeout", str(cfg.drain_timeout),
-            "--commit-retry-interval", str(cfg.commit_retry_interval)]
-    if cfg.list_ttl is not None:
-        argv += ["--list-ttl", str(cfg.list_ttl)]
-    for glob in cfg.immutable:
-        argv += ["--immutable", glob]
-    if cfg.metrics_port:
-        argv += ["--metrics-port", str(cfg.metrics_port), "--metrics-addr", cfg.metrics_addr]
-    if cfg.log_file:
-        argv += ["--log-file", cfg.log_file]
-    argv += ["--read-only"] * cfg.read_only + ["--allow-other"] * cfg.allow_other
-    argv += ["--no-list-prefetch"] * (not cfg.list_prefetch)
-    env = dict(os.environ)
-    env[STORAGE_OPTIONS_ENV] = json.dumps(dict(cfg.storage_options))
+    argv, env = child_command(cfg, os.environ)
     with open(log_file, "ab") as out:
         os.chmod(log_file, 0o600)
         start = out.tell()
@@ -243,6 +229,26 @@ def start_background(cfg: MountConfig) -> Path:
         time.sleep(0.05)
     proc.terminate()
     raise MountError(f"{cfg.mountpoint} was not mounted within {cfg.mount_timeout:g} s; see {log_file}")
+
+
+def child_command(cfg: MountConfig, environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The foreground daemon's argv and environment, from the settings table: every setting
+    reaches the child, and only from us (our MARINFS_* settings are not inherited, so the child
+    sees exactly this config). Storage options go by environment, never the command line."""
+    argv = [sys.executable, "-m", "marinfs", "mount"]
+    argv += [arg for s in SETTINGS if s.positional for arg in s.to_args(getattr(cfg, s.name))]
+    argv.append("--foreground")
+    ours = {s.env_name for s in SETTINGS if s.allows(ENV)}
+    env = {k: v for k, v in environ.items() if k not in ours}
+    for s in SETTINGS:
+        if s.positional or not s.allows(CHILD):
+            continue
+        value = getattr(cfg, s.name)
+        if s.child_env:
+            env[s.env_name] = s.to_text(value)
+        else:
+            argv += s.to_args(value)
+    return argv, env
 
 
 def _failure_reason(log_file: Path, start: int) -> str | None:

@@ -306,6 +306,11 @@ def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool
         # .fuse_hidden* name, which every node would see (and object stores would store).
         # fs.unlink keeps an open file's staged bytes usable through its descriptors.
         "hard_remove": True,
+        # libfuse 3.14 passes its "unlimited" default of max_idle_threads (UINT_MAX) through its
+        # own range check and warns "Ignoring invalid max threads value 4294967295" at every
+        # mount. Its thread limit is 10 (max_threads), so keeping 10 idle is the same thing.
+        "max_threads": 10,
+        "max_idle_threads": 10,
     }
     if read_only:
         options["ro"] = True

@@ -13,14 +13,24 @@ import shlex
 import sys
 from collections.abc import Iterable
 
+from marinfs.config import SETTINGS
 from marinfs.errors import UsageError
+from marinfs.settings import BOOL, FSTAB
 
 PROG = "mount.marinfs"
 
-# fstab option -> marinfs mount flag, for options that take a value.
-VALUE_OPTIONS = {name: "--" + name.replace("_", "-") for name in (
-    "uid", "gid", "file_mode", "dir_mode", "cache_dir", "cache_size", "cache_min_free", "chunk_size",
-    "metadata_ttl", "negative_ttl", "config", "log_file", "log_level")}
+# From the settings table: fstab option -> marinfs mount flag, for options that take a value
+# (config=FILE is the one that is not a setting: everything else from a TOML file) ...
+VALUE_OPTIONS = {s.name: s.flag_name for s in SETTINGS
+                 if s.allows(FSTAB) and not s.positional and s.kind is not BOOL}
+VALUE_OPTIONS["config"] = "--config"
+# ... and boolean options: NAME sets it, no_NAME clears it, and aliases such as ro/rw.
+SWITCH_OPTIONS: dict[str, tuple[str, bool]] = {}
+for _s in SETTINGS:
+    if _s.allows(FSTAB) and _s.kind is BOOL:
+        SWITCH_OPTIONS.update({_s.name: (_s.name, True), f"no_{_s.name}": (_s.name, False),
+                               **{alias: (_s.name, on) for alias, on in _s.fstab_aliases.items()}})
+_FLAGS = {s.name: s.flag_name for s in SETTINGS}
 
 # Options mount(8), systemd or fstab conventions pass along that mean nothing to marinfs.
 # ("user=NAME" is what mount(8) adds when a user mounts a `user` entry.)
@@ -49,29 +59,27 @@ def translate(source: str, mountpoint: str, options: str | Iterable[str] = (),
     if source.startswith("marinfs#"):  # old mount.fuse style: "marinfs#gs://bucket/prefix"
         source = source[len("marinfs#"):]
     flags: list[str] = []
-    read_only = False
+    switches: dict[str, bool] = {}  # the last of ro/rw (or NAME/no_NAME) wins, as for any filesystem
     for opt in split_options(options):
         name, eq, value = opt.partition("=")
         if name in VALUE_OPTIONS:
             if not eq or not value:
                 raise UsageError(f"option {name} needs a value ({name}=...)")
             flags += [VALUE_OPTIONS[name], value]
-        elif opt in ("ro", "read_only"):
-            read_only = True
-        elif opt == "rw":  # the last of ro/rw wins, as for any filesystem
-            read_only = False
-        elif opt == "allow_other":
-            flags.append("--allow-other")
+        elif opt in SWITCH_OPTIONS:
+            setting, on = SWITCH_OPTIONS[opt]
+            switches[setting] = on
         elif opt in GENERIC_OPTIONS or opt.startswith(GENERIC_PREFIXES):
             continue
-        elif name in ("ro", "rw", "read_only", "allow_other") or name in GENERIC_OPTIONS:
+        elif name in SWITCH_OPTIONS or name in GENERIC_OPTIONS:
             raise UsageError(f"option {name} takes no value (got {opt!r})")
         elif sloppy:
             print(f"{PROG}: ignoring unknown option {opt!r} (sloppy mode)", file=sys.stderr)
         else:
             raise UsageError(f"unknown mount option {opt!r}")
-    if read_only:
-        flags.append("--read-only")
+    # A switch that only says "rw" (the default of every mount) adds nothing.
+    flags += [_FLAGS[name] if on else "--no-" + _FLAGS[name][2:] for name, on in switches.items()
+              if on or name != "read_only"]
     positional = [mountpoint] if source in PLACEHOLDER_SOURCES else [source, mountpoint]
     return ["mount", *positional, *flags]
 

@@ -80,11 +80,6 @@ class ObjectVersion:
             return {"IfMatch": f'"{self.value}"'}
         raise ValueError(f"not an S3 version: {self}")
 
-    def s3_headers(self) -> dict[str, str]:
-        """The same precondition as HTTP headers (for presigned requests)."""
-        names = {"IfMatch": "If-Match", "IfNoneMatch": "If-None-Match"}
-        return {names[k]: v for k, v in self.s3_precondition().items()}
-
     def gcs_precondition(self) -> dict[str, str]:
         """GCS query parameters that make a write replace exactly this version (0: no object)."""
         if self.kind == "absent":

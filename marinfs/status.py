@@ -26,6 +26,8 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
         if state.exists():
             info = json.loads(state.read_text())
             item["pid"] = info.get("pid")
+            if "settings" in info:  # what the daemon runs with, after file < env < flags
+                item["settings"] = info["settings"]
             stats = Path(info.get("cache_dir", "")) / "stats.json"
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())

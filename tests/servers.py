@@ -112,7 +112,9 @@ def _http_status(url: str, method: str = "GET", data: bytes | None = None) -> in
 
 @dataclass
 class S3Server:
-    """A running SeaweedFS ``weed mini`` S3 endpoint (no auth: any key/secret works)."""
+    """A running SeaweedFS ``weed mini`` S3 endpoint that checks every request's signature
+    against its one identity (``access_key``/``secret_key``), as a real store does: a request
+    signed wrongly is refused with 403 rather than silently accepted."""
 
     endpoint: str
     bucket: str
@@ -141,6 +143,11 @@ class S3Server:
             "AWS_DEFAULT_REGION": self.region,
         }
 
+    def restart(self) -> None:
+        """Start the server again (stopped first if running) on its ports and data."""
+        self.stop()
+        self.proc = start_seaweedfs(self.workdir, self.bucket, args=list(self.proc.args), endpoint=self.endpoint).proc
+
     def stop(self) -> None:
         """Terminate the server process (by PID) and remove its stray unix socket."""
         _stop_proc(self.proc)
@@ -148,10 +155,36 @@ class S3Server:
         Path(f"/tmp/seaweedfs-s3-{port}.sock").unlink(missing_ok=True)
 
 
-def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60) -> S3Server:
-    """Start ``weed mini`` in ``workdir`` with every port unique; wait until ``bucket`` exists."""
+ACCESS_KEY, SECRET_KEY = "marin-test-key", "marin-test-secret"
+
+
+def _bucket_ready(endpoint: str, bucket: str) -> bool:
+    """A signed HEAD of ``bucket``: True once S3 is up, authenticates us and has the bucket."""
+    import botocore.config
+    import botocore.exceptions
+    import botocore.session
+
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        config=botocore.config.Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+    try:
+        client.head_bucket(Bucket=bucket)
+        return True
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError):
+        return False
+
+
+def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60, args: list[str] | None = None,
+                    endpoint: str | None = None) -> S3Server:
+    """Start ``weed mini`` in ``workdir`` with every port unique; wait until ``bucket`` exists.
+
+    ``args``/``endpoint`` (from a stopped server's ``proc.args``/``endpoint``) start it again
+    on the same ports and data directory, as a restarted server."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if args is not None and endpoint is not None:
+        return _run_weed(workdir, bucket, timeout, args, endpoint)
     names = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
              "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
     ports = dict(zip(names, free_ports(len(names))))  # explicit grpc ports: default is http+10000
@@ -159,16 +192,20 @@ def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60) -
     args = [str(weed_binary()), f"-logdir={workdir}", "mini", f"-dir={workdir}", f"-ip={_LOCAL}", f"-ip.bind={_LOCAL}",
             *(f"-{k}={v}" for k, v in ports.items()), "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false", f"-bucket={bucket}"]
-    # AWS_ACCESS_KEY_ID/S3_BUCKET in weed's env would switch on auth / other buckets.
+    return _run_weed(workdir, bucket, timeout, args, f"http://{_LOCAL}:{ports['s3.port']}")
+
+
+def _run_weed(workdir: Path, bucket: str, timeout: float, args: list[str], endpoint: str) -> S3Server:
+    # AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in weed's environment switch signature checking on
+    # with that one identity; nothing else of ours (S3_BUCKET...) may leak into it.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+    env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     log = workdir / "weed.log"
-    with open(log, "wb") as fh:
+    with open(log, "ab") as fh:
         proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
-    endpoint = f"http://{_LOCAL}:{ports['s3.port']}"
-    # Unauthenticated GET on the bucket: 200 once S3 is up and the bucket was created.
-    _wait(proc, log, "seaweedfs", timeout, lambda: _http_status(f"{endpoint}/{bucket}") == 200)
-    return S3Server(endpoint, bucket, "marin-test-key", "marin-test-secret", proc, workdir)
+    _wait(proc, log, "seaweedfs", timeout, lambda: _bucket_ready(endpoint, bucket))
+    return S3Server(endpoint, bucket, ACCESS_KEY, SECRET_KEY, proc, workdir)
 
 
 @dataclass

@@ -85,9 +85,11 @@ def server() -> Iterator[str]:
         httpd.server_close()
 
 
-def getter(base: str, signed: list[str]) -> DirectGet:
-    def presign(full: str, expires: int, method: str) -> str:
+def getter(base: str, signed: list[str], params: list[dict[str, Any]] | None = None) -> DirectGet:
+    def presign(full: str, expires: int, method: str, **signed_params: Any) -> str:
         signed.append(full if method == "get_object" else f"{method} {full}")
+        if params is not None:
+            params.append(signed_params)
         return f"{base}/{full}?X-Amz-Signature={len(signed)}"
 
     return DirectGet(presign, connect_timeout=1, read_timeout=0.5)
@@ -168,16 +170,21 @@ def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any, monkeypatch: pyte
 
 def test_put_answers_the_etag_and_maps_statuses(server: str) -> None:
     signed: list[str] = []
-    g = getter(server, signed)
-    assert g.put("b/new", b"12345", {"If-None-Match": "*"}) == "etag-of-5"
+    params: list[dict[str, Any]] = []
+    g = getter(server, signed, params)
+    assert g.put("b/new", b"12345", {"IfNoneMatch": "*"}) == "etag-of-5"
     assert Scripted.seen[-1]["If-None-Match"] == "*" and signed == ["put_object b/new"]
+    # Every header sent is signed into the URL: a store that checks signatures sees what was signed.
+    md5 = "gnzLDuqKcGxMNKFokfhOew=="  # base64 of md5(b"12345")
+    assert Scripted.seen[-1]["Content-MD5"] == md5 and params[-1] == {"ContentMD5": md5, "IfNoneMatch": "*"}
     for status, error in (("412", PreconditionFailed), ("503", ConnectionError), ("409", ConnectionError),
                           ("404", FileNotFoundError), ("400", OSError)):
         Scripted.script = [status]
         with pytest.raises(error):
             g.put("b/new", b"x", {})
     Scripted.script = ["403"]
-    assert g.put("b/new", b"xy", {}) == "etag-of-2" and len(signed) == 2  # signed again once
+    before = len(signed)  # a PUT is signed for its own body (Content-MD5): every PUT signs anew
+    assert g.put("b/new", b"xy", {}) == "etag-of-2" and len(signed) == before + 2  # signed again once
 
 
 def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch: pytest.MonkeyPatch,
@@ -286,8 +293,9 @@ def test_parts_are_signed_per_part_and_carry_their_md5(server: str) -> None:
 
     g = DirectGet(presign, connect_timeout=1, read_timeout=0.5)
     assert g.put_part("b/k", "up-1", 3, b"abcd") == '"etag-of-4"'
-    assert calls == [("upload_part", "b/k", {"UploadId": "up-1", "PartNumber": 3})]
-    assert Scripted.seen[-1]["Content-MD5"] == base64.b64encode(hashlib.md5(b"abcd").digest()).decode()
+    md5 = base64.b64encode(hashlib.md5(b"abcd").digest()).decode()
+    assert calls == [("upload_part", "b/k", {"UploadId": "up-1", "PartNumber": 3, "ContentMD5": md5})]
+    assert Scripted.seen[-1]["Content-MD5"] == md5
     Scripted.script = ["500"]
     with pytest.raises(ConnectionError):
         g.put_part("b/k", "up-1", 4, b"x")
@@ -308,3 +316,59 @@ def test_multipart_commits_go_direct(s3_server: Any, tmp_path: Any) -> None:
     assert remote.fs.cat_file(remote.full("big")) == data and remote.stat("big").version == version
     with pytest.raises(PreconditionFailed):
         remote.upload(str(src), "big", ABSENT)
+
+
+def test_requests_are_signed_with_sigv4_by_our_own_client(s3_server: Any) -> None:
+    """The test server checks signatures: every direct request (GET, conditional PUT with its
+    Content-MD5, part, listing) passes, signed by our client in the calling thread with SigV4
+    (botocore's presign default, SigV2, signs neither a listing's query nor an unsent MD5)."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options())
+    assert remote._presigner._client(s3_server.bucket) is not None  # not s3fs's fallback signer
+    signed = remote._presigner.url(remote.full("x"), 60, "put_object", ContentMD5="abc")
+    assert "X-Amz-Algorithm=AWS4-HMAC-SHA256" in signed and "content-md5" in signed.lower()
+    src = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"marinfs-sig-{uuid.uuid4().hex}")
+    try:
+        with open(src, "wb") as f:
+            f.write(b"signed bytes")
+        version = remote.upload(src, "d/f", ABSENT)
+    finally:
+        os.unlink(src)
+    assert [i.name for i in remote.list("d")] == ["d/f"]
+    assert remote.read_range("d/f", 0, 6, version) == b"signed"
+    assert not remote._direct_refused
+
+
+def test_a_refused_direct_request_falls_back_to_s3fs(s3_server: Any, tmp_path: Any) -> None:
+    """A store that refuses what we sign ourselves (403) but takes s3fs's requests costs speed,
+    never a commit, a read or a listing: the request is sent again through s3fs, and every later
+    one goes there at once."""
+    from marinfs.config import RemoteSettings
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options(), RemoteSettings(upload_part_size=5 << 20))
+    presign = remote._presigner.url
+
+    def badly_signed(full: str, expires: int, method: str, **params: Any) -> str:
+        return presign(full, expires, method, **params).replace("X-Amz-Signature=", "X-Amz-Signature=0")
+
+    remote._direct._presign = badly_signed
+    src = tmp_path / "f"
+    src.write_bytes(b"kept")
+    version = remote.upload(str(src), "f", ABSENT)  # direct PUT refused twice, then s3fs's PUT
+    assert remote._direct_refused
+    assert remote.fs.cat_file(remote.full("f")) == b"kept" and version == remote.stat("f").version
+    remote.stats.reset()
+    assert remote.read_range("f", 0, 4, version) == b"kept"
+    assert [i.name for i in remote.list("")] == ["f"]
+    big = os.urandom((11 << 20) + 3)
+    src.write_bytes(big)
+    remote.upload(str(src), "big", ABSENT)
+    # After the first refusal nothing is sent our way any more: s3fs's hook counted every request.
+    assert remote.stats.count("get") == 1 and remote.stats.count("list") == 1
+    assert remote.fs.cat_file(remote.full("big")) == big
+
+    # A denial that s3fs meets too is the real answer, raised as it was.
+    other = Remote(url, {**s3_server.storage_options(), "secret": "wrong"})
+    with pytest.raises(PermissionError):
+        other.read_range("f", 0, 4)

@@ -29,3 +29,16 @@ def test_every_fault_bad_input_and_security_test_is_in_the_reliability_tables() 
     cited = set(CITED.findall((ROOT / "docs/reliability.md").read_text()))
     missing = defined_tests("test_faults.py", "test_bad_input.py", "test_security.py") - cited
     assert sorted(missing) == []
+
+
+def test_usage_lists_every_setting_as_the_table_says() -> None:
+    """docs/usage.md's settings reference is the settings table; regenerate it with
+    `python -m marinfs.settings` when a setting changes."""
+    from marinfs.config import SETTINGS
+    from marinfs.settings import markdown_table
+
+    text = (ROOT / "docs/usage.md").read_text()
+    begin = text.index("<!-- settings table:")
+    section = text[text.index("\n", begin) + 1:text.index("<!-- end of settings table -->")]
+    assert section.rstrip("\n") == markdown_table(SETTINGS)
+    assert all(f"| `{s.name}`" in section or f"`{s.flag_name}" in section for s in SETTINGS)

@@ -227,8 +227,8 @@ def fstab(line: str) -> list[str]:
 def test_translate_fstab_line() -> None:
     argv = fstab("gs://bucket/prefix /mnt/marin marinfs "
                  "_netdev,allow_other,cache_dir=/mnt/nvme/marinfs,cache_size=200G 0 0")
-    assert argv == ["mount", "gs://bucket/prefix", "/mnt/marin", "--allow-other",
-                    "--cache-dir", "/mnt/nvme/marinfs", "--cache-size", "200G"]
+    assert argv == ["mount", "gs://bucket/prefix", "/mnt/marin",
+                    "--cache-dir", "/mnt/nvme/marinfs", "--cache-size", "200G", "--allow-other"]
 
 
 def test_translate_every_option() -> None:

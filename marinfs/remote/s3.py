@@ -9,24 +9,24 @@ carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec.asyn
 
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, s3_match
-from marinfs.remote.base import _exactly
+from marinfs.remote.base import _exactly, _one_line
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.s3http import DirectGet, Presigner
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
@@ -42,6 +42,7 @@ class S3Remote(ObjectStoreRemote):
         super().__init__(url, storage_options, settings)
         self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
         self._direct = self._direct_get()
+        self._direct_refused = False  # set once a server refuses our own requests but not s3fs's
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
 
@@ -80,6 +81,26 @@ class S3Remote(ObjectStoreRemote):
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
 
+    def _direct_first(self, kind: str, direct: Callable[[], T], sdk: Callable[[], T]) -> T:
+        """One S3 request sent by us (``direct``), or through s3fs (``sdk``) once a server has
+        refused ours (403) where s3fs's passes: a store that signs or checks differently from
+        what we expect (an old SigV2-only proxy, a policy on query auth) must cost speed, never
+        a commit or a read. A denial that s3fs meets as well is the real answer."""
+        if self._direct is None or self._direct_refused:
+            return sdk()
+        try:
+            return direct()
+        except PermissionError as refused:
+            try:
+                result = sdk()
+            except PermissionError:
+                raise refused from None
+            if not self._direct_refused:
+                self._direct_refused = True
+                log.warning("%s: the server refused our direct %s (%s) but not s3fs's; every request goes "
+                            "through s3fs from now on", self.url, kind, _one_line(refused))
+            return result
+
     # -- metadata ------------------------------------------------------------------------------
     def _head_object(self, full: str) -> dict[str, Any]:
         bucket, key, _ = self.fs.split_path(full)
@@ -94,11 +115,15 @@ class S3Remote(ObjectStoreRemote):
         return bool(out.get("Contents") or out.get("CommonPrefixes"))
 
     def _list_entries(self, full: str) -> list[dict[str, Any]]:
+        sdk = super()._list_entries
         if self._direct is None:
-            return super()._list_entries(full)
+            return sdk(full)
         bucket, path, _ = self.fs.split_path(full)
-        return self._call("list", self._direct.list, bucket, path.rstrip("/") + "/" if path else "",
-                          self._presign_list)
+        direct = self._direct
+        return self._direct_first(
+            "list", lambda: self._call("list", direct.list, bucket, path.rstrip("/") + "/" if path else "",
+                                       self._presign_list),
+            lambda: sdk(full))
 
     def _presign_list(self, params: dict[str, str]) -> str:
         return self._presigner.listing(params)
@@ -106,11 +131,16 @@ class S3Remote(ObjectStoreRemote):
     # -- data ----------------------------------------------------------------------------------
     def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
         etag = version.value if version is not None and version.kind == "etag" else None
-        if self._direct is not None and (version is None or etag):
-            return self._call("get", _exactly(want, self._get_direct), self.full(key), start, end, etag)
+        if version is not None and not etag:  # a version S3 did not issue: checked around the read
+            return super()._read(key, start, end, version, want)
+        full = self.full(key)
         if etag:
-            return self._read_call(_exactly(want, self._s3_get_if_match), self.full(key), start, end, etag)
-        return super()._read(key, start, end, version, want)
+            sdk = lambda: self._read_call(_exactly(want, self._s3_get_if_match),  # noqa: E731
+                                          full, start, end, etag)
+        else:
+            sdk = lambda: self._call("get", self.fs.cat_file, full, start=start, end=end)  # noqa: E731
+        return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
+                                                            full, start, end, etag), sdk)
 
     def _get_direct(self, full: str, start: int, end: int, etag: str | None) -> bytes:
         assert self._direct is not None
@@ -133,16 +163,19 @@ class S3Remote(ObjectStoreRemote):
         full = self.full(key)
         bucket, path, _ = self.fs.split_path(full)
         md5 = hashlib.md5(data)
+
+        def sdk_put() -> str | None:
+            out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
+                             Bucket=bucket, Key=path, Body=data, **s3_match(expect))
+            return (out.get("ETag") or "").strip('"') or None
+
+        def direct_put() -> str | None:
+            assert self._direct is not None
+            self.stats.add("put")  # not seen by botocore's hook: count it here
+            return self._call("put", self._direct.put, full, data, s3_match(expect))
+
         try:
-            if self._direct is not None:
-                self.stats.add("put")  # not seen by botocore's hook: count it here
-                headers = {"Content-MD5": base64.b64encode(md5.digest()).decode(),
-                           **(expect.s3_headers() if expect is not None else {})}
-                etag = self._call("put", self._direct.put, full, data, headers)
-            else:
-                out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
-                                 Bucket=bucket, Key=path, Body=data, **s3_match(expect))
-                etag = (out.get("ETag") or "").strip('"') or None
+            etag = self._direct_first("put", direct_put, sdk_put)
         except PreconditionFailed:
             # A retried PUT whose first answer was lost meets its own object: same bytes,
             # so it is ours (or identical), not a conflict.
@@ -164,8 +197,15 @@ class S3Remote(ObjectStoreRemote):
             direct = self._direct
 
             def put_part(upload_id: str, number: int, data: bytes) -> str:
-                self.stats.add("part")  # not seen by botocore's hook: count it here
-                return direct.put_part(full, upload_id, number, data)
+                def ours() -> str:
+                    self.stats.add("part")  # not seen by botocore's hook: count it here
+                    return direct.put_part(full, upload_id, number, data)
+
+                def sdk() -> str:
+                    return fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "upload_part", Bucket=bucket, Key=path,
+                                            UploadId=upload_id, PartNumber=number, Body=data)["ETag"]
+
+                return self._direct_first("part", ours, sdk)
 
         return S3Session(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size,
                          lambda kind, fn: self._call(kind, fn), lambda n: self.stats.add_bytes(bytes_out=n),

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 PRESIGN_SECONDS = 3600
 REUSE_SECONDS = 1800  # a cached URL is replaced long before it expires
+_HEADER = {"IfMatch": "If-Match", "IfNoneMatch": "If-None-Match"}  # botocore parameter -> HTTP header
 
 
 class DirectGet:
@@ -112,23 +113,30 @@ class DirectGet:
             return b""
         return resp.data if resp.status == 206 else resp.data[start:end]  # 200: the server ignored the range
 
-    def put(self, full: str, data: bytes, headers: dict[str, str]) -> str | None:
+    def put(self, full: str, data: bytes, match: dict[str, str]) -> str | None:
         """Write ``data`` as ``full`` in one PUT; answers the new ETag (unquoted).
 
-        ``headers`` carry the precondition (If-Match / If-None-Match) and Content-MD5; a 412 is
-        PreconditionFailed, never retried."""
-        resp = self._send("PUT", full, lambda fresh: self._url(full, fresh, "put_object"), headers, data, answers={
-            412: lambda: PreconditionFailed(f"{full} changed since it was opened"),
-            404: lambda: FileNotFoundError(2, "no such bucket", full)})
+        ``match`` is the precondition as botocore parameters (``IfMatch``/``IfNoneMatch``); it is
+        signed into the URL with the body's Content-MD5, so a server that checks signatures
+        sees exactly what was signed. A 412 is PreconditionFailed, never retried."""
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+        params = {"ContentMD5": md5, **match}
+        headers = {"Content-MD5": md5, **{_HEADER[k]: v for k, v in match.items()}}
+        resp = self._send("PUT", full, lambda fresh: self._presign(full, PRESIGN_SECONDS, "put_object", **params),
+                          headers, data, answers={
+                              412: lambda: PreconditionFailed(f"{full} changed since it was opened"),
+                              404: lambda: FileNotFoundError(2, "no such bucket", full)})
         etag = resp.headers.get("ETag")
         return etag.strip('"') if etag else None
 
     def put_part(self, full: str, upload_id: str, number: int, data: bytes) -> str:
-        """One part of a multipart upload (its URL signed for that part alone); its ETag."""
-        headers = {"Content-MD5": base64.b64encode(hashlib.md5(data).digest()).decode()}
+        """One part of a multipart upload (its URL signed for that part and its Content-MD5); its ETag."""
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
         resp = self._send("PUT", full, lambda fresh: self._presign(full, PRESIGN_SECONDS, "upload_part",
-                                                                   UploadId=upload_id, PartNumber=number),
-                          headers, data, answers={404: lambda: FileNotFoundError(2, "no such upload", full)})
+                                                                   UploadId=upload_id, PartNumber=number,
+                                                                   ContentMD5=md5),
+                          {"Content-MD5": md5}, data,
+                          answers={404: lambda: FileNotFoundError(2, "no such upload", full)})
         etag = resp.headers.get("ETag")
         if not etag:
             raise OSError(5, f"PUT part {number} of {full}: no ETag in the answer")
@@ -247,6 +255,11 @@ class Presigner:
         if fs.anon:
             from botocore import UNSIGNED
             config["signature_version"] = UNSIGNED
+        else:
+            # botocore presigns S3 URLs with SigV2 unless told otherwise: SigV2 signs no query
+            # parameter of a listing and needs every Content-MD5 signed, and new AWS regions
+            # refuse it. SigV4 signs the query and the headers given as parameters.
+            config.setdefault("signature_version", "s3v4")
         kwargs = {k: v for k, v in dict(fs.client_kwargs or {}).items()
                   if k in ("verify", "use_ssl", "api_version", "aws_access_key_id", "aws_secret_access_key",
                            "aws_session_token")}
@@ -263,18 +276,25 @@ class Presigner:
                                                       ExpiresIn=60))
         theirs = urlsplit(fs.url(probe, expires=60))
         same = (ours.scheme, ours.netloc, ours.path) == (theirs.scheme, theirs.netloc, theirs.path) and \
-            _identity(ours.query) == _identity(theirs.query)
+            _same_signer(_identity(ours.query), _identity(theirs.query))
         if not same:
             raise ValueError(f"a botocore client signs differently ({ours.netloc}{ours.path} against "
                              f"{theirs.netloc}{theirs.path})")
         return client
 
 
-def _identity(query: str) -> tuple[Any, ...]:
-    """What a presigned URL says about who signed it and how, without the time-dependent parts:
-    its parameter names, the access key (SigV2) or credential scope minus the date (SigV4), the
-    session token, so a client with other credentials or another region never signs for us."""
-    q = parse_qs(query)
-    scope = (q.get("X-Amz-Credential") or [""])[0].split("/")
-    return (sorted(q), q.get("AWSAccessKeyId"), scope[:1] + scope[2:], q.get("X-Amz-Security-Token"),
-            q.get("X-Amz-Algorithm"))
+def _identity(query: str) -> tuple[str | None, str | None, str | None]:
+    """Who signed a presigned URL, in either signature version: (access key, session token,
+    region; None where the URL does not say), so a client with other credentials or another
+    region never signs for us. The time-dependent parts (date, expiry, signature) are left out."""
+    q = {k.lower(): v[0] for k, v in parse_qs(query).items()}
+    scope = q.get("x-amz-credential", "").split("/")  # SigV4: key/date/region/service/aws4_request
+    key = q.get("awsaccesskeyid") or scope[0] or None  # SigV2 names the key on its own
+    return key, q.get("x-amz-security-token"), scope[2] if len(scope) > 2 else None
+
+
+def _same_signer(ours: tuple[str | None, ...], theirs: tuple[str | None, ...]) -> bool:
+    key, token, region = ours
+    their_key, their_token, their_region = theirs
+    return key == their_key and token == their_token and (region is None or their_region is None
+                                                          or region == their_region)
