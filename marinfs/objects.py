@@ -2,7 +2,7 @@
 
 A version's string form (``str(version)``) is what journals (writer.py) and the chunk cache
 (chunkcache.py, which hashes it into file names) keep on disk, so it stays byte-identical to the
-strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS),
+strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS, and memory://),
 ``m<mtime_ns>:<size>[:i<inode>:c<ctime_ns>]`` (local disks, memory, other fsspec backends),
 ``-`` (the key must not exist) and ``unversioned-<id>`` (a handle on a store that gave none).
 :meth:`ObjectVersion.parse` reads each of them back to an equal value.
@@ -20,7 +20,7 @@ _UNVERSIONED = "unversioned-"
 class ObjectVersion:
     """One version of one object: ``kind`` says who issued ``value`` and so how a store checks it.
 
-    Kinds: ``etag`` (S3), ``generation`` (GCS), ``mtime`` (mtime and size, plus inode and change
+    Kinds: ``etag`` (S3), ``generation`` (GCS; the memory backend's counter), ``mtime`` (mtime and size, plus inode and change
     time on local disks), ``absent`` (no object: a commit that must create it), ``unversioned``
     (a stand-in that matches nothing else), ``opaque`` (a string from elsewhere, kept verbatim).
     """

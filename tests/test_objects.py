@@ -109,3 +109,41 @@ def test_journals_keep_the_old_string_and_old_journals_replay(tmp_path: Path) ->
     assert results["k"].committed_as == "k" and not results["k"].conflict
     assert results["j"].committed_as == "j" and not results["j"].conflict
     assert remote.fs.cat_file(remote.full("k")) == b"new" and remote.fs.cat_file(remote.full("j")) == b"older journal"
+
+
+def test_memory_remote_has_generations_and_enforces_preconditions(tmp_path: Path) -> None:
+    """The in-memory fake keeps an object store's rules: a new generation per write (even one
+    that keeps size and timestamp), and a commit replaces exactly the version it names."""
+    import concurrent.futures as cf
+
+    from marinfs.errors import PreconditionFailed, StaleVersionError
+
+    remote = Remote(f"memory://objects-{uuid.uuid4().hex[:10]}")
+    remote.fs.mkdir(remote.root)
+    src = tmp_path / "src"
+    src.write_bytes(b"same")
+    first = remote.upload(str(src), "k", ABSENT)
+    assert first is not None and first.kind == "generation" and remote.stat("k").version == first
+    with pytest.raises(PreconditionFailed):
+        remote.upload(str(src), "k", ABSENT)  # it exists now
+    second = remote.upload(str(src), "k", first)  # the same bytes again: still a new version
+    assert second != first and remote.stat("k").version == second
+    assert {i.name: i.version for i in remote.list("")}["k"] == second
+    with pytest.raises(PreconditionFailed):
+        remote.upload(str(src), "k", first)  # that version is gone
+    remote.fs.pipe_file(remote.full("k"), b"same")  # a write that bypasses the Remote
+    with pytest.raises(StaleVersionError):
+        remote.read_range("k", 0, 4, second)
+
+    base = remote.stat("k").version
+    assert base not in (first, second)
+
+    def commit(_: int) -> bool:
+        try:
+            remote.upload(str(src), "k", base)
+            return True
+        except PreconditionFailed:
+            return False
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(commit, range(16))) == 1  # writers racing from one base: one wins
