@@ -33,7 +33,7 @@ from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
 
 log = logging.getLogger(__name__)
 
-# Temporary names used for atomic commits on hierarchical backends; never shown in listings.
+# Temporary names used for atomic commits on local disks; never shown in listings.
 TMP_PREFIX = ".marinfs-tmp-"
 
 T = TypeVar("T")
@@ -147,7 +147,6 @@ class Remote:
     """
 
     protocols: ClassVar[tuple[str, ...]] = ()
-    hierarchical: ClassVar[bool] = False  # real directories and atomic renames (a local disk)
     object_store: ClassVar[bool] = False  # directories are prefixes, empty ones need a marker
     streams: ClassVar[bool] = False  # commits can be sent in parts while a file is written
     _root_default: ClassVar[str] = ""  # what an empty path after the protocol means
@@ -501,6 +500,11 @@ def _exactly(size: int | None, fn: Callable[..., bytes],
         return data
 
     return read
+
+
+def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
+    """Run a coroutine on fsspec's event loop from a worker thread (the S3 and GCS sessions)."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 def _one_line(exc: BaseException) -> str:

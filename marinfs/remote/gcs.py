@@ -7,7 +7,6 @@ is recognised here.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from typing import Any
@@ -17,16 +16,11 @@ import fsspec.asyn
 
 from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.objects import ObjectVersion, gcs_match
-from marinfs.remote.base import _exactly
+from marinfs.remote.base import _exactly, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.uploads import Counter, Runner
 
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
-
-
-def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
-    """Run a coroutine on fsspec's event loop from a worker thread."""
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 class GCSRemote(ObjectStoreRemote):

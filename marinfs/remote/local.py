@@ -21,7 +21,6 @@ from marinfs.remote.base import TMP_PREFIX, Remote
 
 class LocalRemote(Remote):
     protocols = ("file", "local")
-    hierarchical = True
     _root_default = "/"
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:

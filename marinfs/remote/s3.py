@@ -8,7 +8,6 @@ carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -20,18 +19,13 @@ import fsspec.asyn
 
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, s3_match
-from marinfs.remote.base import _exactly, _one_line
+from marinfs.remote.base import _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.s3http import DirectGet, Presigner
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def _run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float | None = None) -> Any:
-    """Run a coroutine on fsspec's event loop from a worker thread."""
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
 class S3Remote(ObjectStoreRemote):
