@@ -90,6 +90,7 @@ def _recover(staging_dir: Path, remote, failed: list, skip: frozenset[str] = fro
 
     for result in recover(staging_dir, remote, skip):
         if result.committed_as is None:
+            log.error("recovering %s from %s failed: %s", result.key, result.staged, result.error)
             failed.append({"key": result.key, "staged": result.staged})
 
 

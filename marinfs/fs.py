@@ -22,11 +22,11 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
+from marinfs.commit import commit_or_conflict
+from marinfs.errors import FsError, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
-from marinfs.recovery import conflict_name
 from marinfs.remote import ObjectInfo, Remote
 from marinfs.uploads import PartStream
 from marinfs.writer import StagedFile
@@ -359,17 +359,25 @@ class Filesystem:
             return
         key = staged.key
         try:
-            version = staged.commit(self.remote.upload)
-        except PreconditionFailed:
+            done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect),
+                                      key, staged.base_version, Path(staged.path))
+        except BaseException as exc:
             self.metadata.invalidate(key)
-            self._commit_conflict(staged)
-            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened") from None
-        except BaseException:
-            self.metadata.invalidate(key)
+            staged.failures += 1
+            staged.last_error = exc
             raise
         finally:
             with self._lock:
                 self._kernel_versions.pop(key, None)
+        if done.conflict:
+            # Someone else replaced (or removed) the object under our writer: it was not
+            # overwritten, our bytes are beside it, and close() says so (docs/semantics.md).
+            self.metadata.invalidate(key)
+            self.metadata.invalidate(done.committed_as)
+            with self._lock:
+                self.conflicts.append({"key": key, "committed_as": done.committed_as})
+            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened")
+        version = done.version
         if version is not None:
             # The upload answered the new version (S3 ETag, GCS generation): that and the size
             # we wrote are the object's metadata; its timestamp is shown as the writer's below.
@@ -393,22 +401,6 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (info.version, staged.mtime_ns)
         self.metadata.put_own(info)
-
-    def _commit_conflict(self, staged: StagedFile) -> None:
-        """Someone else replaced (or removed) the object under our writer: never overwrite it.
-        Our bytes are committed beside it, and close() reports ESTALE (see docs/semantics.md)."""
-        target = conflict_name(staged.key, Path(staged.path))
-        try:
-            staged.commit(self.remote.upload, key=target)
-        except Exception:
-            log.error("%s changed on the remote since it was opened, and saving our bytes as %s "
-                      "failed; they are kept in %s", staged.key, target, staged.path)
-            raise
-        self.metadata.invalidate(target)
-        log.warning("%s changed on the remote since it was opened; our bytes were committed as %s",
-                    staged.key, target)
-        with self._lock:
-            self.conflicts.append({"key": staged.key, "committed_as": target})
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
         own = self._own_mtimes.get(info.name) if not info.is_dir else None
