@@ -134,9 +134,7 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
             log.debug("cannot write stats: %s", exc)
         if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
-            still: list = []
-            _recover(cfg.cache_dir / "staging", fs.remote, still, fs.open_staging_files())
-            fs.failed_commits[:] = still
+            fs.retry_failed_commits()
 
 
 def set_read_ahead(mountpoint: str, kib: int) -> None:

@@ -27,6 +27,7 @@ from marinfs.errors import FsError, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
+from marinfs.recovery import recover
 from marinfs.remote import ObjectInfo, Remote
 from marinfs.uploads import PartStream
 from marinfs.writer import StagedFile
@@ -235,6 +236,17 @@ class Filesystem:
         if staged.kept:
             with self._lock:
                 self.failed_commits.append({"key": staged.key, "staged": staged.path})
+
+    def retry_failed_commits(self) -> None:
+        """Commit again what failed before (the daemon calls this every commit retry interval)."""
+        if not self.failed_commits:
+            return
+        still: list[dict[str, str]] = []
+        for result in recover(self.staging_dir, self.remote, self.open_staging_files()):
+            if result.committed_as is None:
+                log.error("recovering %s from %s failed: %s", result.key, result.staged, result.error)
+                still.append({"key": result.key, "staged": result.staged})
+        self.failed_commits[:] = still
 
     def upload_status(self) -> dict[str, Any]:
         """Open files with uncommitted bytes, and commits that failed (their bytes kept on disk)."""
