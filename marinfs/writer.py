@@ -216,7 +216,7 @@ class StagedFile:
             os.close(self.fd)
             if self.dirty and not self.unlinked and not self.failed_write:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it
-                log.error("commit of %s failed; its staged bytes are kept in %s", self.key, self.path)
+                log.debug("%s: uncommitted bytes kept in %s", self.key, self.path)  # the caller reports it
                 return
             self._drop_journal()
             Path(self.journal_path).unlink(missing_ok=True)
