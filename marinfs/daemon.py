@@ -123,7 +123,10 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
             log.debug("cannot write stats: %s", exc)
         if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
-            fs.retry_failed_commits()
+            try:
+                fs.retry_failed_commits()
+            except Exception:  # noqa: BLE001 - the watcher must live on: it publishes stats and retries
+                log.exception("the commit retry pass failed")
 
 
 def set_read_ahead(mountpoint: str, kib: int) -> None:

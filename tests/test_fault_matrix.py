@@ -209,7 +209,7 @@ def test_server_killed_mid_multipart_upload_of_64_mib_then_back(store: Store, tm
 def test_a_503_storm_during_a_commit_loses_nothing(store: Store, tmp_path: Path) -> None:
     s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
     assert s.proxy is not None
-    storm = 6.0
+    storm = 8.0
     data = {f"shard-{i}": os.urandom(MiB * (i + 1) + i) for i in range(3)}
     with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
         fds = {name: write_file(mnt / name, d) for name, d in data.items()}
@@ -310,3 +310,39 @@ def test_another_client_overwrites_between_open_and_close_conflict_copy_and_esta
     assert s.cat("status.json") == b'{"v": "theirs, written meanwhile"}'  # never overwritten
     (conflict,) = [n for n in names if n.startswith("status.json.marinfs-conflict-")]
     assert s.cat(conflict) == b'{"v": "ours"}'
+
+
+@cells("s3")
+def test_what_works_while_the_server_is_down(store: Store, tmp_path: Path) -> None:
+    """docs/semantics.md: within the metadata TTL what is cached is served; past it, every
+    lookup asks the remote and fails with EIO, cached chunks or not (their version is unknown)."""
+    s, mnt = store, tmp_path / "mnt"
+    assert s.proxy is not None
+    cached, uncached = os.urandom(3 * MiB), os.urandom(3 * MiB)
+    s.put("d/cached.bin", cached)
+    s.put("d/uncached.bin", uncached)
+    ttl = 4.0
+    with subprocess_mount(s.url, mnt, tmp_path / "cache", *MOUNT_ARGS, "--metadata-ttl", str(ttl),
+                          "--chunk-size", "1M", env=s.env):
+        assert (mnt / "d/cached.bin").read_bytes() == cached
+        assert sorted(os.listdir(mnt / "d")) == ["cached.bin", "uncached.bin"]
+        s.proxy.stop_server()
+        down = time.monotonic()
+        assert (mnt / "d/cached.bin").read_bytes() == cached  # stat and chunks from the caches
+        assert sorted(os.listdir(mnt / "d")) == ["cached.bin", "uncached.bin"]
+        code, waited = timed(lambda: errno_of(lambda: (mnt / "d/uncached.bin").read_bytes()))
+        assert code == errno.EIO and waited < CALL_BOUND
+        # A new name in a directory whose listing is fresh needs no request: it is created and
+        # written locally; its close fails (`cp: failed to close`) and keeps the bytes.
+        fd = os.open(mnt / "d/new.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        os.write(fd, b"written while the server was down")
+        assert close_errno(fd)[0] == errno.EIO
+        assert time.monotonic() - down < ttl, "too slow to check the TTL window"
+        time.sleep(max(0.0, down + ttl + 1.5 - time.monotonic()))  # + the kernel's own 1 s
+        for path in (mnt / "d/cached.bin", mnt / "d/other.txt"):  # `cp` to a new name: cannot stat
+            code, waited = timed(lambda: errno_of(lambda: os.stat(path)))  # noqa: B023
+            assert code == errno.EIO and waited < CALL_BOUND, (path, code, waited)
+        assert errno_of(lambda: os.listdir(mnt / "d")) == errno.EIO
+        s.proxy.restart()
+        assert (mnt / "d/cached.bin").read_bytes() == cached and (mnt / "d/uncached.bin").read_bytes() == uncached
+        wait_committed(s, "d/new.txt", b"written while the server was down", within=COMMIT_BOUND)
