@@ -258,8 +258,7 @@ class Filesystem:
         and the merge keeps it unless this pass committed its bytes."""
         with self._lock:
             before = {f.staged: f for f in self.failed_commits}
-            skip = frozenset(st.path for st in self._staged.values())
-        results = recover(self.staging_dir, self.remote, skip)
+        results = recover(self.staging_dir, self.remote, self.open_staging_files())
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self._lock:
