@@ -74,24 +74,14 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     ahead = (cfg.max_readahead_chunks + cfg.prefetch_workers) * cfg.chunk_size
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers, memory_bytes=max(64 << 20, ahead))
-    _recover(cfg.cache_dir / "staging", remote, failed := [])
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
                     read_only=cfg.read_only, fetcher=fetcher,
                     max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout,
                     list_prefetch=cfg.list_prefetch and remote.object_store)
-    fs.failed_commits.extend(failed)
+    fs.recover_staged()  # what an earlier run staged but never committed
     return fs
-
-
-def _recover(staging_dir: Path, remote, failed: list, skip: frozenset[str] = frozenset()) -> None:  # noqa: ANN001
-    """Commit what an earlier run staged but never committed; list what still fails."""
-    from marinfs.recovery import recover
-
-    for result in recover(staging_dir, remote, skip):
-        if result.committed_as is None:
-            failed.append({"key": result.key, "staged": result.staged})
 
 
 def stats_file(cache_dir: Path) -> Path:
@@ -134,9 +124,10 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
             log.debug("cannot write stats: %s", exc)
         if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
-            still: list = []
-            _recover(cfg.cache_dir / "staging", fs.remote, still, fs.open_staging_files())
-            fs.failed_commits[:] = still
+            try:
+                fs.retry_failed_commits()
+            except Exception:  # noqa: BLE001 - the watcher must live on: it publishes stats and retries
+                log.exception("the commit retry pass failed")
 
 
 def set_read_ahead(mountpoint: str, kib: int) -> None:

@@ -22,12 +22,13 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
+from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
+from marinfs.errors import FsError, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
-from marinfs.recovery import conflict_name
 from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.recovery import Recovered, recover
 from marinfs.remote import Remote
 from marinfs.uploads import PartStream
 from marinfs.writer import StagedFile
@@ -93,7 +94,7 @@ class Filesystem:
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
         self._own_mtimes: LRUCache[str, tuple[ObjectVersion, int]] = LRUCache(maxsize=65536)
-        self.failed_commits: list[dict[str, str]] = []  # key -> where its bytes are kept
+        self.failed_commits: list[FailedCommit] = []  # staged bytes kept on disk, retried
         # Commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         self._next_fh = itertools.count(1)
@@ -225,8 +226,8 @@ class Filesystem:
         try:
             # Normally flush committed already; this catches writes that raced the last close.
             self._commit(staged)
-        except Exception as exc:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
-            log.error("commit of %s at release failed: %s", staged.key, exc)
+        except Exception:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
+            pass  # logged below, once, if the bytes stay uncommitted
         with self._lock:
             if staged.refs > 0:
                 return  # reopened meanwhile
@@ -234,14 +235,74 @@ class Filesystem:
                 del self._staged[staged.key]
         staged.discard()
         if staged.kept:
+            error = staged.last_error
+            entry = FailedCommit(staged.key, staged.path, describe(error) if error else "",
+                                 error is not None and is_permanent(error), attempts=max(1, staged.failures),
+                                 since=time.time())
             with self._lock:
-                self.failed_commits.append({"key": staged.key, "staged": staged.path})
+                self.failed_commits.append(entry)
+            self._report_failed(entry, None)
+
+    def retry_failed_commits(self) -> list[Recovered]:
+        """Commit again what failed before (the daemon calls this every commit retry interval).
+        Nothing to retry: nothing is asked of the remote."""
+        with self._lock:
+            if not self.failed_commits:
+                return []
+        return self.recover_staged()
+
+    def recover_staged(self) -> list[Recovered]:
+        """Replay every journal in the staging directory whose file is not open here (a crashed
+        run's, or a failed commit's), and merge what still fails into ``failed_commits``.
+
+        The remote is called without ``_lock``: a close failing meanwhile appends its own entry,
+        and the merge keeps it unless this pass committed its bytes."""
+        with self._lock:
+            before = {f.staged: f for f in self.failed_commits}
+        results = recover(self.staging_dir, self.remote, self.open_staging_files())
+        now = time.time()
+        reports: list[tuple[FailedCommit, FailedCommit | None]] = []
+        with self._lock:
+            seen = {r.staged for r in results}
+            current = {f.staged: f for f in self.failed_commits}
+            # Entries this pass did not look at (appended while it ran) stay as they are.
+            merged = {k: f for k, f in current.items() if k not in before and k not in seen}
+            for r in results:
+                if r.committed_as is not None:
+                    if r.conflict:
+                        self.conflicts.append({"key": r.key, "committed_as": r.committed_as})
+                    continue
+                prev = current.get(r.staged) or before.get(r.staged)
+                entry = FailedCommit(r.key, r.staged, r.error or "", r.permanent,
+                                     attempts=prev.attempts + 1 if prev else 1, since=prev.since if prev else now)
+                merged[r.staged] = entry
+                reports.append((entry, prev))
+            self.failed_commits[:] = merged.values()
+        for entry, prev in reports:
+            self._report_failed(entry, prev)
+        return results
+
+    @staticmethod
+    def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:
+        """One ERROR line when the bytes are first kept, or when a failure turns out to be one
+        that retrying will not cure; later attempts: WARNING if it may pass, else quietly."""
+        if entry.permanent and not (prev is not None and prev.permanent):
+            log.error("cannot commit %s: %s; this will not pass by retrying (check the credentials and the "
+                      "bucket); its bytes are kept in %s and retried", entry.key, entry.error, entry.staged)
+        elif prev is None:
+            log.error("commit of %s failed: %s; its bytes are kept in %s and retried",
+                      entry.key, entry.error, entry.staged)
+        elif entry.permanent:
+            log.debug("commit of %s still fails (attempt %d): %s", entry.key, entry.attempts, entry.error)
+        else:
+            log.warning("commit of %s failed again (attempt %d): %s; its bytes stay in %s",
+                        entry.key, entry.attempts, entry.error, entry.staged)
 
     def upload_status(self) -> dict[str, Any]:
         """Open files with uncommitted bytes, and commits that failed (their bytes kept on disk)."""
         with self._lock:
             pending = sorted(k for k, st in self._staged.items() if st.dirty and not st.unlinked)
-            failed = list(self.failed_commits)
+            failed = [f.as_dict() for f in self.failed_commits]
             conflicts = list(self.conflicts)
         return {"pending": pending, "failed": failed, "conflicts": conflicts}
 
@@ -360,17 +421,25 @@ class Filesystem:
             return
         key = staged.key
         try:
-            version = staged.commit(self.remote.upload)
-        except PreconditionFailed:
+            done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect),
+                                      key, staged.base_version, Path(staged.path))
+        except BaseException as exc:
             self.metadata.invalidate(key)
-            self._commit_conflict(staged)
-            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened") from None
-        except BaseException:
-            self.metadata.invalidate(key)
+            staged.failures += 1
+            staged.last_error = exc
             raise
         finally:
             with self._lock:
                 self._kernel_versions.pop(key, None)
+        if done.conflict:
+            # Someone else replaced (or removed) the object under our writer: it was not
+            # overwritten, our bytes are beside it, and close() says so (docs/semantics.md).
+            self.metadata.invalidate(key)
+            self.metadata.invalidate(done.committed_as)
+            with self._lock:
+                self.conflicts.append({"key": key, "committed_as": done.committed_as})
+            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened")
+        version = done.version
         if version is not None:
             # The upload answered the new version (S3 ETag, GCS generation): that and the size
             # we wrote are the object's metadata; its timestamp is shown as the writer's below.
@@ -394,22 +463,6 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (info.version, staged.mtime_ns)
         self.metadata.put_own(info)
-
-    def _commit_conflict(self, staged: StagedFile) -> None:
-        """Someone else replaced (or removed) the object under our writer: never overwrite it.
-        Our bytes are committed beside it, and close() reports ESTALE (see docs/semantics.md)."""
-        target = conflict_name(staged.key, Path(staged.path))
-        try:
-            staged.commit(self.remote.upload, key=target)
-        except Exception:
-            log.error("%s changed on the remote since it was opened, and saving our bytes as %s "
-                      "failed; they are kept in %s", staged.key, target, staged.path)
-            raise
-        self.metadata.invalidate(target)
-        log.warning("%s changed on the remote since it was opened; our bytes were committed as %s",
-                    staged.key, target)
-        with self._lock:
-            self.conflicts.append({"key": staged.key, "committed_as": target})
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
         own = self._own_mtimes.get(info.name) if not info.is_dir else None

@@ -67,9 +67,19 @@ def format_status(items: list[dict[str, Any]]) -> str:
         if up:
             conflicts = up.get("conflicts", [])
             lines.append(f"  uploads: {len(up['pending'])} pending, {len(up['failed'])} failed, "
-                         f"{len(conflicts)} conflicts"
-                         + "".join(f"\n    failed {f['key']} (bytes kept in {f['staged']})" for f in up["failed"])
-                         + "".join(f"\n    conflict {c['key']}: changed by someone else; our bytes are in "
-                                   f"{c['committed_as']}" for c in conflicts[-10:]))
+                         f"{len(conflicts)} conflicts")
+            lines += [format_failed(f) for f in up["failed"]]
+            lines += [f"    conflict {c['key']}: changed by someone else; our bytes are in {c['committed_as']}"
+                      for c in conflicts[-10:]]
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
+
+
+def format_failed(f: dict[str, Any]) -> str:
+    """One staged file that could not be committed: key, where its bytes are, how often it
+    failed and why; a failure that retrying will not cure is marked so (it is retried anyway)."""
+    attempts = f.get("attempts", 1)
+    kind = "permanent: will not pass by retrying, fix it and it is committed" if f.get("permanent") else "retrying"
+    error = f"; last error: {f['error']}" if f.get("error") else ""
+    return (f"    failed {f['key']} ({kind}; {attempts} attempt{'s' * (attempts != 1)}{error}); "
+            f"bytes kept in {f['staged']}")

@@ -79,6 +79,8 @@ class StagedFile:
         self.refs = 0
         self.failed_write = 0  # errno of a write that did not reach the staging file
         self.kept = False
+        self.failures = 0  # commits of these bytes that failed, and the last one's error
+        self.last_error: BaseException | None = None
         self.stream: PartStream | None = None
         if stream is not None and seed is None:
             self.stream = stream(self.fd, key, self.expected)
@@ -182,21 +184,24 @@ class StagedFile:
             self.stream = None
 
     def commit(self, upload: Callable[[str, str, ObjectVersion | None], ObjectVersion | None],
-               key: str | None = None) -> ObjectVersion | None:
+               key: str | None = None, expect: ObjectVersion | None = None) -> ObjectVersion | None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error, and
-        PreconditionFailed when the remote object is no longer the one the writer started from.
-        ``key`` commits elsewhere (a conflict copy). Answers the new version if known."""
+        PreconditionFailed when the remote object is not ``expect`` (default: the version the
+        writer started from). ``key`` commits elsewhere (a conflict copy; marinfs.commit decides
+        where and what it expects). Answers the new version if known."""
         with self.lock:
             if not self.dirty or self.unlinked:
                 return None
             if self.failed_write:
                 raise OSError(self.failed_write, f"a write to {self.key} failed; not committed")
             self._ensure_seeded()
-            expect = self.expected if key is None else ABSENT
+            elsewhere = key is not None and key != self.key
+            if expect is None:
+                expect = ABSENT if elsewhere else self.expected
             stream, self.stream = self.stream, None  # one stream per staged file: later commits upload whole
             done, version = False, None
             if stream is not None:
-                if key is None:
+                if not elsewhere:
                     done, version = stream.finish(os.fstat(self.fd).st_size)
                 else:
                     stream.abort()
@@ -213,7 +218,7 @@ class StagedFile:
             os.close(self.fd)
             if self.dirty and not self.unlinked and not self.failed_write:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it
-                log.error("commit of %s failed; its staged bytes are kept in %s", self.key, self.path)
+                log.debug("%s: uncommitted bytes kept in %s", self.key, self.path)  # the caller reports it
                 return
             self._drop_journal()
             Path(self.journal_path).unlink(missing_ok=True)

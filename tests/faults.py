@@ -256,6 +256,9 @@ class HttpFaultProxy:
       when a server dies during an upload); with ``"response"`` the server's response is cut
       after ``cut_after`` bytes. From then on every connection is reset at once (a stopped
       server) for ``outage`` seconds, or until :meth:`restart`.
+
+    A response that names the server in its head (a resumable session's ``Location``) names
+    the proxy instead, so every request of an upload meets the faults.
     """
 
     def __init__(self, target_host: str, target_port: int, seed: int = 0) -> None:
@@ -331,6 +334,13 @@ class HttpFaultProxy:
             self._threads.append(t)
             t.start()
 
+    def _own_urls(self, response: bytes) -> bytes:
+        """URLs in the response head that name the server name the proxy instead: a resumable
+        upload's session (GCS's ``Location``) must go through the proxy too."""
+        end = response.index(b"\r\n\r\n")
+        server = f"http://{self.target[0]}:{self.target[1]}".encode()
+        return response[:end].replace(server, self.endpoint.encode()) + response[end:]
+
     def _record(self, req: HttpRequest, what: str) -> None:
         with self._lock:
             self.requests.append(f"{req.method} {req.target} -> {what}")
@@ -363,10 +373,18 @@ class HttpFaultProxy:
                 self._sockets.add(upstream)
             upstream.sendall(_rewrite_head(req.head) + req.body)
             sent = 0
+            head: bytes | None = b""
             while True:
                 data = upstream.recv(1 << 16)
                 if not data:
+                    if head:
+                        client.sendall(head)
                     break
+                if head is not None:  # still in the response head: hold it until it is whole
+                    head += data
+                    if b"\r\n\r\n" not in head:
+                        continue
+                    data, head = self._own_urls(head), None
                 if stopping and sent + len(data) >= self.cut_after:
                     client.sendall(data[: max(0, self.cut_after - sent)])
                     self._record(req, f"server stopped after {self.cut_after} response bytes")

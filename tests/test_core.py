@@ -524,7 +524,9 @@ def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
     assert len(data) == 1 and data[0].read_bytes() == b"unsaved" and cat(remote, "f") is None
     (journal,) = [p for p in kept if p.name.endswith(".journal.json")]  # says what to commit, where
     assert json.loads(journal.read_text())["key"] == "f"
-    assert fs.upload_status()["failed"] == [{"key": "f", "staged": str(data[0])}]
+    (failed,) = fs.upload_status()["failed"]
+    assert failed["key"] == "f" and failed["staged"] == str(data[0]) and failed["attempts"] == 2
+    assert "injected upload failure" in failed["error"] and not failed["permanent"]
 
 
 def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> None:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from marinfs.fs import Filesystem
 from marinfs.recovery import recover
 from marinfs.remote import Remote
+from marinfs.status import format_failed
 from marinfs.writer import JOURNAL_SUFFIX, StagedFile
 from mounting import force_unmount, subprocess_mount
 
@@ -125,3 +129,109 @@ def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Pat
         assert not list(tiny_tmpfs.glob("staging/*"))  # and no partial bytes linger
         (mnt / "small.txt").write_text("fits")  # the mount still works once there is room
         assert (remote_dir / "small.txt").read_text() == "fits"
+
+
+def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: Path, remote: Remote,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry pass uploads without the filesystem lock, so a close may fail meanwhile and
+    append its own failure: the pass must merge its results, not overwrite the list with them."""
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    real_upload = remote.upload
+    down = {"first", "second"}
+    in_retry, go_on = threading.Event(), threading.Event()
+
+    def upload(local_path: str, key: str, expect: str | None = None) -> str | None:
+        if key in down:
+            raise ConnectionResetError(errno.ECONNRESET, "injected: the store is down")
+        if key == "first":  # the retry pass: hold it inside its upload
+            in_retry.set()
+            assert go_on.wait(10)
+        return real_upload(local_path, key, expect)
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fh = fs.create("/first", os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, b"first bytes", 0)
+    with pytest.raises(OSError):
+        fs.flush(fh)
+    fs.release(fh)
+    assert [f["key"] for f in fs.upload_status()["failed"]] == ["first"]
+    second = fs.create("/second", os.O_WRONLY | os.O_CREAT)  # open while the pass starts
+    fs.write(second, b"second bytes", 0)
+
+    down.discard("first")  # the store is back for the pass, not yet for the next close
+    retry = threading.Thread(target=fs.retry_failed_commits)
+    retry.start()
+    try:
+        assert in_retry.wait(10)
+        with pytest.raises(OSError):
+            fs.flush(second)
+        closer = threading.Thread(target=fs.release, args=(second,))  # appends under the lock
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive(), "the retry pass held the filesystem lock across its upload"
+    finally:
+        go_on.set()
+        retry.join(10)
+    assert not retry.is_alive()
+    assert remote.fs.cat_file(remote.full("first")) == b"first bytes"
+    assert [f["key"] for f in fs.upload_status()["failed"]] == ["second"]  # not lost from the list
+    down.clear()
+    fs.retry_failed_commits()
+    assert remote.fs.cat_file(remote.full("second")) == b"second bytes"
+    assert fs.upload_status()["failed"] == [] and not list((tmp_path / "staging").iterdir())
+
+
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Access Denied"),
+                                   FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
+def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: OSError) -> None:
+    """Denied, or the bucket gone: retrying will not cure it, so it is one ERROR line, not one per
+    retry; the bytes stay and are still retried (the credentials may be fixed)."""
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    real_upload = remote.upload
+    broken = [error]
+
+    def upload(local_path: str, key: str, expect: str | None = None) -> str | None:
+        if broken:
+            raise broken[0]
+        return real_upload(local_path, key, expect)
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fh = fs.create("/ckpt", os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, b"kept bytes", 0)
+    with pytest.raises(type(error)):
+        fs.flush(fh)
+    fs.release(fh)
+    for _ in range(3):
+        fs.retry_failed_commits()
+    (failed,) = fs.upload_status()["failed"]
+    assert failed["key"] == "ckpt" and failed["permanent"] and failed["attempts"] == 5
+    assert str(error.strerror) in failed["error"] and Path(failed["staged"]).read_bytes() == b"kept bytes"
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "will not pass by retrying" in loud[0] and "\n" not in loud[0], loud
+    assert "permanent" in format_failed(failed) and failed["staged"] in format_failed(failed)
+    broken.clear()  # fixed: the next pass commits
+    fs.retry_failed_commits()
+    assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes" and fs.upload_status()["failed"] == []
+
+
+def test_a_transient_commit_failure_is_retried_and_reported_each_time(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+
+    def upload(local_path: str, key: str, expect: str | None = None) -> str | None:
+        raise ConnectionResetError(errno.ECONNRESET, "injected: reset")
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fh = fs.create("/f", os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, b"x", 0)
+    with pytest.raises(OSError):
+        fs.flush(fh)
+    fs.release(fh)
+    fs.retry_failed_commits()
+    fs.retry_failed_commits()
+    (failed,) = fs.upload_status()["failed"]
+    assert not failed["permanent"] and failed["attempts"] == 4 and "reset" in failed["error"]
+    assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == ["ERROR", "WARNING", "WARNING"]
+    assert "retrying" in format_failed(failed)

@@ -1,0 +1,348 @@
+"""Nothing lost, on every backend: one test per fault, each ending with the bytes on the server
+(read past the mount and past the proxy) compared to the bytes written, and a bound on how long
+the user waited. docs/reliability.md tables the cells.
+
+Where each cell runs, and why not elsewhere:
+
+- server down (at close; at close then SIGKILL; mid multipart upload; a 503 storm): S3 only.
+  A local remote has no server to stop. gcsfs keeps its own retry loop (6 tries, sleeping
+  1+2+4+8+16 s, fixed when the class is defined), so a GCS that is down fails each marinfs
+  attempt after more than 30 s: bounded, but too slow for this file.
+- daemon SIGKILLed mid-upload: S3 (killed while the last part of a multipart upload is in
+  flight) and GCS (while a resumable chunk is). A local commit is a copy and a rename with no
+  request a test could catch in flight; test_faults.py kills a local daemon during writes.
+- staging disk full: local and S3 (a 1 MiB tmpfs cache directory, so root only).
+- another client overwrites between open and close: local and S3. fake-gcs-server ignores
+  ``ifGenerationMatch`` (DESIGN §7); test_writepath.py checks what marinfs asks of GCS.
+
+Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import object_store
+from faults import HttpFaultProxy, HttpRequest
+from mounting import MARINFS, force_unmount, fsspec_client, subprocess_mount
+from test_faults import errno_of, journals, wait_for
+
+MiB = 1 << 20
+CONNECT, READ, RETRIES, INTERVAL = 1.0, 3.0, 3, 2.0
+MOUNT_ARGS = ["--connect-timeout", str(CONNECT), "--read-timeout", str(READ), "--retries", str(RETRIES),
+              "--commit-retry-interval", str(INTERVAL), "--drain-timeout", "10"]
+# How long one failing remote call may take: every attempt times out, with the backoff between
+# (RemoteSettings: at most 0.25 * 2**attempt s each), plus a margin for a loaded machine.
+CALL_BOUND = RETRIES * (CONNECT + READ) + sum(0.25 * 2 ** a for a in range(1, RETRIES)) + 5
+# After the fault ends, the retry pass commits within one interval (the daemon looks every
+# min(2 s, interval)) plus the upload itself.
+COMMIT_BOUND = INTERVAL + 2 + 5
+
+
+@dataclass
+class Store:
+    """A fresh prefix: the daemon reaches it through ``proxy`` (None for local); ``client`` goes
+    straight to the server."""
+
+    backend: str
+    url: str
+    env: dict[str, str]
+    client: Any
+    root: str
+    proxy: HttpFaultProxy | None
+
+    def cat(self, rel: str) -> bytes | None:
+        try:
+            return bytes(self.client.cat_file(f"{self.root}/{rel}"))
+        except FileNotFoundError:
+            return None
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.client.pipe_file(f"{self.root}/{rel}", data)
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    backend = request.param
+    if backend == "local":
+        (tmp_path / "remote").mkdir()
+        url = str(tmp_path / "remote")
+        client, root = fsspec_client(url)
+        yield Store(backend, url, {}, client, root, None)
+        return
+    url, options, env = object_store(request, backend)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    client.pipe_file(f"{root}/.keep", b"")
+    server = env.get("AWS_ENDPOINT_URL") or env["STORAGE_EMULATOR_HOST"]
+    host, port = server.rsplit("/", 1)[1].split(":")
+    with HttpFaultProxy(host, int(port), seed=17) as proxy:
+        var = "AWS_ENDPOINT_URL" if backend == "s3" else "STORAGE_EMULATOR_HOST"
+        yield Store(backend, url, {**env, var: proxy.endpoint}, client, root, proxy)
+
+
+def cells(*backends: str) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize("store", backends, indirect=True)
+
+
+def failed_uploads(mnt: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """What `marinfs status --json` lists as failed commits (published every 2 s)."""
+    out = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=30, check=True)
+    return json.loads(out.stdout)[0].get("uploads", {}).get("failed", [])
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - started
+
+
+def close_errno(fd: int) -> tuple[int, float]:
+    return timed(lambda: errno_of(lambda: os.close(fd)))
+
+
+def write_file(path: Path, data: bytes) -> int:
+    """Open, write everything, return the descriptor (still open: its close commits)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for off in range(0, len(data), 4 * MiB):
+        os.write(fd, data[off:off + 4 * MiB])
+    return fd
+
+
+def wait_committed(s: Store, rel: str, data: bytes, within: float) -> float:
+    """Wait until the server holds exactly ``data`` at ``rel``; answers how long it took."""
+    started = time.monotonic()
+    wait_for(lambda: s.cat(rel) == data, within=within)
+    return time.monotonic() - started
+
+
+def sigkill(pid: int, mnt: Path) -> None:
+    """Kill the daemon we started (by PID) and detach its dead mount."""
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.02)
+    force_unmount(mnt)
+
+
+# -- the cells ---------------------------------------------------------------------------------
+@cells("s3")
+def test_server_down_at_close_is_eio_then_committed_within_one_retry_interval(store: Store, tmp_path: Path) -> None:
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    data = os.urandom(3 * MiB + 5)
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        fd = write_file(mnt / "ckpt.bin", data)
+        s.proxy.stop_server()
+        code, waited = close_errno(fd)
+        assert code == errno.EIO and waited < CALL_BOUND, (code, waited)
+        wait_for(lambda: [f["key"] for f in failed_uploads(mnt, s.env)] == ["ckpt.bin"], within=CALL_BOUND + 5)
+        (failed,) = failed_uploads(mnt, s.env)
+        assert failed["attempts"] >= 2 and failed["error"] and not failed["permanent"]
+        assert Path(failed["staged"]).read_bytes() == data and len(journals(cache)) == 1
+        assert s.cat("ckpt.bin") is None
+        s.proxy.restart()
+        assert wait_committed(s, "ckpt.bin", data, within=COMMIT_BOUND) < COMMIT_BOUND
+        wait_for(lambda: failed_uploads(mnt, s.env) == [] and not journals(cache), within=5)
+        assert (mnt / "ckpt.bin").read_bytes() == data
+
+
+@cells("s3")
+def test_server_down_at_close_then_sigkill_a_new_daemon_commits_the_bytes(store: Store, tmp_path: Path) -> None:
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    data = os.urandom(2 * MiB + 3)
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env) as pid:
+        fd = write_file(mnt / "ckpt.bin", data)
+        s.proxy.stop_server()
+        code, waited = close_errno(fd)
+        assert code == errno.EIO and waited < CALL_BOUND, (code, waited)
+        sigkill(pid, mnt)
+    assert len(journals(cache)) == 1 and s.cat("ckpt.bin") is None
+    s.proxy.restart()
+    started = time.monotonic()
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):  # same cache dir
+        assert wait_committed(s, "ckpt.bin", data, within=COMMIT_BOUND) < COMMIT_BOUND
+        assert time.monotonic() - started < COMMIT_BOUND + 10  # the mount itself included
+        assert (mnt / "ckpt.bin").read_bytes() == data
+        assert failed_uploads(mnt, s.env) == []
+    assert not journals(cache)
+
+
+@cells("s3")
+def test_server_killed_mid_multipart_upload_of_64_mib_then_back(store: Store, tmp_path: Path) -> None:
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    s.put("weights.bin", b"the old version")
+    data = os.urandom(64 * MiB + 11)
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        assert (mnt / "weights.bin").read_bytes() == b"the old version"
+        s.proxy.stop_when = lambda req: req.method == "PUT" and "partNumber=3" in req.target
+        s.proxy.stop_at = "request"  # the server dies while part 3 arrives
+        started = time.monotonic()
+        fd = write_file(mnt / "weights.bin", data)  # parts leave while the file is written
+        code, _ = close_errno(fd)
+        waited = time.monotonic() - started
+        assert s.proxy.counts["server stopped (request dropped)"] == 1, s.proxy.requests
+        assert code == errno.EIO and waited < 2 * CALL_BOUND, (code, waited)
+        assert s.cat("weights.bin") == b"the old version"  # never a torn object
+        s.proxy.restart()
+        assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
+        wait_for(lambda: not journals(cache), within=5)
+
+
+@cells("s3")
+def test_a_503_storm_during_a_commit_loses_nothing(store: Store, tmp_path: Path) -> None:
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    storm = 8.0
+    data = {f"shard-{i}": os.urandom(MiB * (i + 1) + i) for i in range(3)}
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        fds = {name: write_file(mnt / name, d) for name, d in data.items()}
+        s.proxy.fail_fraction = 1.0  # every request answered 503 SlowDown
+        ends = time.monotonic() + storm
+        for name, fd in fds.items():
+            code, waited = close_errno(fd)  # retries run out inside the storm
+            assert code == errno.EIO and waited < CALL_BOUND, (name, code, waited)
+        wait_for(lambda: len(failed_uploads(mnt, s.env)) == 3, within=CALL_BOUND + 5)
+        assert time.monotonic() < ends, "the storm ended before every commit had failed"
+        time.sleep(max(0.0, ends - time.monotonic()))
+        s.proxy.fail_fraction = 0.0
+        started = time.monotonic()
+        for name, d in data.items():
+            wait_committed(s, name, d, within=COMMIT_BOUND)
+        assert time.monotonic() - started < COMMIT_BOUND
+        assert s.proxy.counts["503"] >= 3 * RETRIES
+        wait_for(lambda: failed_uploads(mnt, s.env) == [] and not journals(cache), within=5)
+
+
+def _kill_on(pid_box: list[int], match: Callable[[HttpRequest], bool]) -> Callable[[HttpRequest], bool]:
+    """A proxy trigger that SIGKILLs the daemon when the request it waits for arrives; the
+    proxy then drops that request, as a connection of a dead process is dropped mid-send."""
+    def trigger(req: HttpRequest) -> bool:
+        if pid_box and match(req):
+            os.kill(pid_box.pop(), signal.SIGKILL)
+            return True
+        return False
+
+    return trigger
+
+
+@cells("s3", "gcs")
+def test_daemon_sigkilled_mid_upload_then_restarted_commits_everything(store: Store, tmp_path: Path) -> None:
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    data = os.urandom(32 * MiB + 7)  # two full parts leave while it is written, the tail at close
+    if s.backend == "s3":
+        in_flight = lambda req: req.method == "PUT" and "partNumber=3" in req.target  # noqa: E731
+    else:  # a resumable chunk that ends the upload (its Content-Range names the total)
+        in_flight = lambda req: f"/{len(data)}" in req.headers.get("content-range", "")  # noqa: E731
+    victim: list[int] = []
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env) as pid:
+        fd = write_file(mnt / "weights.bin", data)  # every byte acknowledged
+        victim.append(pid)
+        s.proxy.stop_when = _kill_on(victim, in_flight)
+        s.proxy.stop_at, s.proxy.outage = "request", 0.0  # the server itself stays up
+        code, waited = close_errno(fd)
+        assert not victim, f"the daemon was not killed mid-upload: {s.proxy.requests[-5:]}"
+        assert code in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO) and waited < CALL_BOUND, (code, waited)
+        sigkill(pid, mnt)
+    assert s.proxy.counts["server stopped (request dropped)"] == 1
+    assert len(journals(cache)) == 1 and s.cat("weights.bin") is None
+    started = time.monotonic()
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
+        assert time.monotonic() - started < COMMIT_BOUND + 20, time.monotonic() - started
+    assert not journals(cache)
+
+
+@cells("local", "s3")
+def test_a_full_staging_disk_is_enospc_to_the_writer_and_commits_nothing(store: Store, tiny_tmpfs: Path,
+                                                                          tmp_path: Path) -> None:
+    s, mnt = store, tmp_path / "mnt"
+    s.put("model.bin", b"the old version")
+    with subprocess_mount(s.url, mnt, tiny_tmpfs, *MOUNT_ARGS, "--cache-size", "0", env=s.env):
+        started = time.monotonic()
+        with pytest.raises(OSError) as info:
+            with open(mnt / "model.bin", "wb") as f:
+                for _ in range(8):
+                    f.write(os.urandom(MiB))  # 8 MiB into a 1 MiB staging disk
+        assert info.value.errno == errno.ENOSPC and time.monotonic() - started < CALL_BOUND
+        with pytest.raises(OSError) as info:
+            with open(mnt / "new.bin", "wb") as f:
+                f.write(os.urandom(2 * MiB))
+        assert info.value.errno == errno.ENOSPC
+        time.sleep(0.5)
+        assert s.cat("model.bin") == b"the old version" and s.cat("new.bin") is None  # nothing half-done
+        assert not list(tiny_tmpfs.glob("staging/*"))  # and no partial bytes linger
+        (mnt / "small.txt").write_bytes(b"fits")  # there is room again
+        assert s.cat("small.txt") == b"fits"
+
+
+@cells("local", "s3")
+def test_another_client_overwrites_between_open_and_close_conflict_copy_and_estale(store: Store,
+                                                                                  tmp_path: Path) -> None:
+    s, mnt = store, tmp_path / "mnt"
+    s.put("status.json", b'{"v": 1}')
+    with subprocess_mount(s.url, mnt, tmp_path / "cache", *MOUNT_ARGS, env=s.env):
+        fd = os.open(mnt / "status.json", os.O_WRONLY | os.O_TRUNC)
+        os.write(fd, b'{"v": "ours"}')
+        time.sleep(0.01)  # a local version is mtime-based: the other write must differ in time
+        s.put("status.json", b'{"v": "theirs, written meanwhile"}')
+        code, waited = close_errno(fd)
+        assert code == errno.ESTALE and waited < CALL_BOUND, (code, waited)
+        names = os.listdir(mnt)
+        assert (mnt / "status.json").read_bytes() == b'{"v": "theirs, written meanwhile"}'
+    assert s.cat("status.json") == b'{"v": "theirs, written meanwhile"}'  # never overwritten
+    (conflict,) = [n for n in names if n.startswith("status.json.marinfs-conflict-")]
+    assert s.cat(conflict) == b'{"v": "ours"}'
+
+
+@cells("s3")
+def test_what_works_while_the_server_is_down(store: Store, tmp_path: Path) -> None:
+    """docs/semantics.md: within the metadata TTL what is cached is served; past it, every
+    lookup asks the remote and fails with EIO, cached chunks or not (their version is unknown)."""
+    s, mnt = store, tmp_path / "mnt"
+    assert s.proxy is not None
+    cached, uncached = os.urandom(3 * MiB), os.urandom(3 * MiB)
+    s.put("d/cached.bin", cached)
+    s.put("d/uncached.bin", uncached)
+    ttl = 4.0
+    with subprocess_mount(s.url, mnt, tmp_path / "cache", *MOUNT_ARGS, "--metadata-ttl", str(ttl),
+                          "--chunk-size", "1M", env=s.env):
+        assert (mnt / "d/cached.bin").read_bytes() == cached
+        assert sorted(os.listdir(mnt / "d")) == ["cached.bin", "uncached.bin"]
+        s.proxy.stop_server()
+        down = time.monotonic()
+        assert (mnt / "d/cached.bin").read_bytes() == cached  # stat and chunks from the caches
+        assert sorted(os.listdir(mnt / "d")) == ["cached.bin", "uncached.bin"]
+        code, waited = timed(lambda: errno_of(lambda: (mnt / "d/uncached.bin").read_bytes()))
+        assert code == errno.EIO and waited < CALL_BOUND
+        # A new name in a directory whose listing is fresh needs no request: it is created and
+        # written locally; its close fails (`cp: failed to close`) and keeps the bytes.
+        fd = os.open(mnt / "d/new.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        os.write(fd, b"written while the server was down")
+        assert close_errno(fd)[0] == errno.EIO
+        assert time.monotonic() - down < ttl, "too slow to check the TTL window"
+        time.sleep(max(0.0, down + ttl + 1.5 - time.monotonic()))  # + the kernel's own 1 s
+        for path in (mnt / "d/cached.bin", mnt / "d/other.txt"):  # `cp` to a new name: cannot stat
+            code, waited = timed(lambda: errno_of(lambda: os.stat(path)))  # noqa: B023
+            assert code == errno.EIO and waited < CALL_BOUND, (path, code, waited)
+        assert errno_of(lambda: os.listdir(mnt / "d")) == errno.EIO
+        s.proxy.restart()
+        assert (mnt / "d/cached.bin").read_bytes() == cached and (mnt / "d/uncached.bin").read_bytes() == uncached
+        wait_committed(s, "d/new.txt", b"written while the server was down", within=COMMIT_BOUND)
