@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import fsspec.asyn
 
-from marinfs.errors import PreconditionFailed, StaleVersionError
+from marinfs.errors import StaleVersionError
 from marinfs.objects import ObjectVersion, gcs_match
 from marinfs.remote.base import _exactly, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
@@ -125,10 +125,7 @@ class GCSSession:
                                                 headers={"Content-Range": rng, "Content-Length": str(len(data))})
             return _json(text)
 
-        try:
-            out = self._run("part", lambda: _run(self.fs.loop, put()))
-        except PreconditionFailed:
-            raise PreconditionFailed(f"gs: {self.key} changed since it was opened") from None
+        out = self._run("part", lambda: _run(self.fs.loop, put()))  # a 412 is PreconditionFailed
         self.sent = start + len(data)
         self._sent(len(data))
         if total is not None:
