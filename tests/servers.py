@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import tiers
+
 _LOCAL = "127.0.0.1"
 
 
@@ -150,6 +152,7 @@ class S3Server:
 
 def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60) -> S3Server:
     """Start ``weed mini`` in ``workdir`` with every port unique; wait until ``bucket`` exists."""
+    tiers.check("start SeaweedFS")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     names = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
@@ -196,6 +199,7 @@ class GCSServer:
 
 def start_fake_gcs(workdir: Path, bucket: str = "marin", timeout: float = 30) -> GCSServer:
     """Start fake-gcs-server on a free port, create ``bucket`` and wait until it is listed."""
+    tiers.check("start fake-gcs-server")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -37,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from conftest import object_store
 from mounting import force_unmount, fsspec_client, inprocess_mount, subprocess_mount
+import tiers
 
 KiB = 1 << 10
 CHUNK = 64 * KiB  # the smallest chunk size: files of a few hundred KiB span several chunks
@@ -161,6 +162,7 @@ class Target:
 
 
 @pytest.fixture(params=BACKENDS)
+@tiers.needs("mount")
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     backend = request.param
     mnt, cache = tmp_path / "mnt", tmp_path / "cache"
@@ -550,6 +552,7 @@ def store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> tuple
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
         request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
     """open; write; unlink; SIGKILL -> the next daemon committed the unlinked file again: its
@@ -575,6 +578,7 @@ def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_bytes_written_after_an_fsync_are_recovered_in_place_after_a_crash(
         request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
     """write; fsync; write; SIGKILL -> the next daemon saw the object at the version the fsync
