@@ -38,15 +38,17 @@ test: system-deps venv
 test-fast: venv
 	$(VENV)/bin/python -m pytest -m "unit or core"
 
-# The reference-model state machine, long, on every backend, with new random seeds each run
+# The reference-model state machine, long, on every backend and on the Filesystem core, with new random seeds each run
 # (CI runs a small derandomized budget on local and S3). Counts are printed per backend;
 # a failure prints the shrunk sequence of calls. docs/reliability.md.
 SOAK_EXAMPLES ?= 200
 SOAK_STEPS ?= 60
 SOAK_BACKENDS ?= local,memory,s3,gcs
+SOAK_CORE_EXAMPLES ?= 2000
 soak: system-deps venv
 	MARINFS_MODEL_BACKENDS=$(SOAK_BACKENDS) MARINFS_MODEL_EXAMPLES=$(SOAK_EXAMPLES) \
 	  MARINFS_MODEL_STEPS=$(SOAK_STEPS) MARINFS_MODEL_RANDOM=1 \
+	  MARINFS_MODEL_CORE_EXAMPLES=$(SOAK_CORE_EXAMPLES) MARINFS_MODEL_CORE_STEPS=$(SOAK_STEPS) \
 	  $(VENV)/bin/python -m pytest tests/test_model.py -k agrees --timeout 0 -rA
 
 bench: system-deps venv

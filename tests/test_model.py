@@ -8,10 +8,16 @@ in separate steps), so close-to-commit and several handles on one file are exerc
 unmount + remount over the same cache directory and, on daemons in their own process, SIGKILL
 with files open followed by a new daemon (recovery).
 
+The rules call a driver, so the same machine also runs on ``marinfs.fs.Filesystem`` without
+FUSE (``FsDriver``: the calls FuseAdapter makes, plus what the kernel answers before a call
+reaches FUSE), on memory and local, in the core tier: many more steps in the same time, with a
+crash as an abandoned Filesystem whose journals the next one replays.
+
 Budget: ``MARINFS_MODEL_EXAMPLES`` sequences of up to ``MARINFS_MODEL_STEPS`` steps per backend
 in ``MARINFS_MODEL_BACKENDS`` (CI: local and s3, a bounded budget, derandomized so a run is
 reproducible); ``make soak`` sets them high, on every backend, with random seeds. Each run prints
-how many examples and steps it ran.
+how many examples and steps it ran. The core machine: ``MARINFS_MODEL_CORE_EXAMPLES`` ×
+``MARINFS_MODEL_CORE_STEPS``.
 """
 
 from __future__ import annotations
