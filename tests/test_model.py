@@ -402,8 +402,9 @@ class CoreTarget:
 
     backend: str
     remote: Any
-    staging: Path
+    cache_dir: Path
     fs: Any = None
+    cache: Any = None
     generation: int = 0
     mounts: int = 0
     crashes: int = 0
@@ -414,34 +415,40 @@ class CoreTarget:
         return FsDriver(self)
 
     def mount(self) -> None:
+        """As the daemon starts: the chunk cache of the same directory, journals replayed."""
+        from marinfs.chunkcache import ChunkCache
         from marinfs.fs import Filesystem
         from marinfs.reader import ChunkFetcher
         from marinfs.recovery import recover
 
         assert self.fs is None
-        recover(self.staging, self.remote)
-        self.fs = Filesystem(self.remote, staging_dir=self.staging,
-                             fetcher=ChunkFetcher(self.remote.read_range, None, chunk_size=CHUNK))
+        self.cache = ChunkCache(self.cache_dir, 64 << 20)
+        recover(self.cache_dir / "staging", self.remote)
+        self.fs = Filesystem(self.remote, staging_dir=self.cache_dir / "staging",
+                             fetcher=ChunkFetcher(self.remote.read_range, self.cache, chunk_size=CHUNK))
         self.generation += 1
         self.mounts += 1
 
-    def unmount(self) -> None:
-        fs, self.fs = self.fs, None
+    def _stop(self) -> None:
+        self.fs.fetcher.close()
+        self.cache.close()
+        self.fs = self.cache = None
         self.generation += 1
-        if fs is not None:
-            fs.close_all()
-            fs.fetcher.close()
+
+    def unmount(self) -> None:
+        if self.fs is not None:
+            self.fs.close_all()
+            self._stop()
 
     def kill(self) -> None:
+        """What dies with the process: threads and the cache lock. The staged files, their
+        journals and the chunks on disk stay; the dead Filesystem is never called again."""
         self.dead.append(self.fs)
-        self.fs = None
-        self.generation += 1
+        self._stop()
         self.crashes += 1
 
     def close(self) -> None:
         self.unmount()
-        for fs in self.dead:
-            fs.fetcher.close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -477,7 +484,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
 @tiers.needs("core")
 def core_target(remote: Any, tmp_path: Path) -> Iterator[CoreTarget]:
     """The Filesystem core over conftest's memory and local remotes."""
-    t = CoreTarget("memory" if remote.url.startswith("memory://") else "local", remote, tmp_path / "staging")
+    t = CoreTarget("memory" if remote.url.startswith("memory://") else "local", remote, tmp_path / "cache")
     t.mount()
     try:
         yield t
