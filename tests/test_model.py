@@ -52,7 +52,7 @@ EXAMPLES = int(os.environ.get("MARINFS_MODEL_EXAMPLES", "12"))
 STEPS = int(os.environ.get("MARINFS_MODEL_STEPS", "40"))
 BACKENDS = os.environ.get("MARINFS_MODEL_BACKENDS", "local,s3").split(",")
 # The same machine on the Filesystem core (memory and local, no FUSE): a bigger budget, fast tier.
-CORE_EXAMPLES = int(os.environ.get("MARINFS_MODEL_CORE_EXAMPLES", "40"))
+CORE_EXAMPLES = int(os.environ.get("MARINFS_MODEL_CORE_EXAMPLES", "30"))
 CORE_STEPS = int(os.environ.get("MARINFS_MODEL_CORE_STEPS", "50"))
 RANDOM = os.environ.get("MARINFS_MODEL_RANDOM", "") not in ("", "0")  # soak: fresh seeds each run
 REMOUNT_EVERY = 8  # at most one remount or crash per this many steps: each costs a daemon start
