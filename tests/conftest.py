@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     """A unit or core test that tries to mount FUSE or start a server fails, in every run:
     the fast tier must pass on a machine without fuse3 or the servers."""
     found = request.node.stash.get(TIER_KEY, frozenset())
@@ -83,7 +83,8 @@ def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         pytest.fail(f"a {tier} test tried to {what}: mark it mount or objectstore (tests/tiers.py)",
                     pytrace=False)
 
-    yield from tiers.fast_guard(refuse, monkeypatch.setattr, monkeypatch.setenv)
+    with pytest.MonkeyPatch.context() as patch:  # its own: a test's monkeypatch.undo() keeps it
+        yield from tiers.fast_guard(refuse, patch.setattr, patch.setenv)
 
 
 @pytest.fixture(scope="session")

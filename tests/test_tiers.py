@@ -75,3 +75,12 @@ def test_other_programs_still_run() -> None:
     assert subprocess.run(["true"]).returncode == 0
     assert tiers.forbidden_program(["umount", "x"]) is None  # not mounting: `marinfs umount` tests
     assert tiers.forbidden_program([sys.executable, "-m", "marinfs", "path", "x"]) is None
+
+
+def test_the_guard_outlives_the_tests_own_monkeypatch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MARINFS_TIERS_PROBE", "1")
+    monkeypatch.undo()
+    with pytest.raises(pytest.fail.Exception, match="inprocess_mount"):
+        with inprocess_mount(str(tmp_path), tmp_path / "mnt", tmp_path / "cache"):
+            pass
+    assert os.environ["FUSE_LIBRARY_PATH"] == tiers.NO_FUSE

@@ -106,7 +106,7 @@ def check(what: str) -> None:
 
 def fast_guard(refuse_with: Callable[[str], None], setattr_: Callable[..., None],
                setenv: Callable[[str, str], None]) -> Iterator[None]:
-    """What the autouse fixture does for a fast test (monkeypatch undoes it)."""
+    """What the autouse fixture does for a fast test; the MonkeyPatch it passes undoes it."""
     import sys
 
     setattr_(sys.modules[__name__], "refuse", refuse_with)
