@@ -1,6 +1,7 @@
 # marinfs: `make run` mounts $MARIN_PREFIX (or /tmp/marin) at $MARINFS_MOUNT (or ./mnt);
-# `make test` runs the whole suite, `make soak` the model tests long. All install what a fresh
-# Debian machine lacks.
+# `make test` runs the whole suite (CI), `make test-fast` the unit and core tiers (no FUSE, no
+# servers: the venv only), `make soak` the model tests long. All install what a fresh Debian
+# machine lacks.
 SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
@@ -8,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test soak bench bench-peers peer-deps install system-deps venv clean
+.PHONY: run test test-fast soak bench bench-peers peer-deps install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -32,15 +33,22 @@ run: system-deps venv
 test: system-deps venv
 	$(VENV)/bin/python -m pytest
 
-# The reference-model state machine, long, on every backend, with new random seeds each run
+# The unit and core tiers (docs/architecture.md, Tests): no FUSE mount, no object-store server,
+# so no fuse3 either; a test of these tiers that tries to mount fails (tests/tiers.py).
+test-fast: venv
+	$(VENV)/bin/python -m pytest -m "unit or core"
+
+# The reference-model state machine, long, on every backend and on the Filesystem core, with new random seeds each run
 # (CI runs a small derandomized budget on local and S3). Counts are printed per backend;
 # a failure prints the shrunk sequence of calls. docs/reliability.md.
 SOAK_EXAMPLES ?= 200
 SOAK_STEPS ?= 60
 SOAK_BACKENDS ?= local,memory,s3,gcs
+SOAK_CORE_EXAMPLES ?= 2000
 soak: system-deps venv
 	MARINFS_MODEL_BACKENDS=$(SOAK_BACKENDS) MARINFS_MODEL_EXAMPLES=$(SOAK_EXAMPLES) \
 	  MARINFS_MODEL_STEPS=$(SOAK_STEPS) MARINFS_MODEL_RANDOM=1 \
+	  MARINFS_MODEL_CORE_EXAMPLES=$(SOAK_CORE_EXAMPLES) MARINFS_MODEL_CORE_STEPS=$(SOAK_STEPS) \
 	  $(VENV)/bin/python -m pytest tests/test_model.py -k agrees --timeout 0 -rA
 
 bench: system-deps venv

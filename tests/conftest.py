@@ -1,5 +1,6 @@
 """Fixtures: one behaviour suite on every backend. Each mount is torn down even on failure;
-the object-store servers run once per session and are stopped by PID."""
+the object-store servers run once per session and are stopped by PID. Every test gets its
+tier here (tests/tiers.py); a unit or core test that tries to mount or start a server fails."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # gcsfs reads this when imported: without it, it tries gRPC/TLS first and stalls a minute.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -21,13 +23,72 @@ import pytest  # noqa: E402
 
 from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount  # noqa: E402
 from servers import GCSServer, S3Server, start_fake_gcs, start_seaweedfs  # noqa: E402
+import tiers  # noqa: E402
 
 from marinfs.remote import Remote  # noqa: E402
 
 BACKENDS = ["local", "memory", "s3", "gcs"]
+TIER_KEY = pytest.StashKey[frozenset]()
+
+
+def fixture_tiers(item: pytest.Item) -> set[str]:
+    """The tiers declared (tiers.needs) by the fixtures in the test's closure."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    declared = (getattr(defs[-1].func, "marinfs_tier", None) for defs in info.name2fixturedefs.values() if defs)
+    return {t for t in declared if t}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test its tiers (tests/tiers.py): from its fixtures and parameters, and its
+    explicit marks where those cannot tell (a mount made inside the test body). A light mark
+    on a parametrized test names its light variants: the heavy ones lose it, so that ``-m``
+    selects each variant by the tier it really has."""
+    errors = []
+    for item in items:
+        explicit = {m.name for m in item.iter_markers() if m.name in tiers.TIERS}
+        callspec: Any = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        try:
+            found = tiers.tier_of(explicit, fixture_tiers(item), params)
+        except tiers.TierError as exc:
+            errors.append(f"{item.nodeid}: {exc}")
+            continue
+        if found & tiers.HEAVY:
+            item.own_markers = [m for m in item.own_markers if m.name not in tiers.FAST]
+        for tier in sorted(found - {m.name for m in item.iter_markers()}):
+            item.add_marker(tier)
+        have = frozenset(m.name for m in item.iter_markers() if m.name in tiers.TIERS)
+        if have != found:  # a light mark on a module or class, where one item cannot drop it
+            errors.append(f"{item.nodeid}: marked {sorted(have - found)}, but needs {sorted(found)}")
+            continue
+        item.stash[TIER_KEY] = found
+    if errors:
+        raise pytest.UsageError("tests with contradictory tiers:\n" + "\n".join(errors))
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit or core test that tries to mount FUSE or start a server fails, in every run:
+    the fast tier must pass on a machine without fuse3 or the servers."""
+    found = request.node.stash.get(TIER_KEY, frozenset())
+    if not found or not found <= tiers.FAST:
+        yield
+        return
+    tier = "/".join(sorted(found))
+
+    def refuse(what: str) -> None:
+        pytest.fail(f"a {tier} test tried to {what}: mark it mount or objectstore (tests/tiers.py)",
+                    pytrace=False)
+
+    with pytest.MonkeyPatch.context() as patch:  # its own: a test's monkeypatch.undo() keeps it
+        yield from tiers.fast_guard(refuse, patch.setattr, patch.setenv)
 
 
 @pytest.fixture(scope="session")
+@tiers.needs("objectstore")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
     try:
@@ -37,6 +98,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 
 @pytest.fixture(scope="session")
+@tiers.needs("objectstore")
 def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
     server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
     try:
@@ -54,6 +116,7 @@ def object_store(request: pytest.FixtureRequest, backend: str) -> tuple[str, dic
 
 
 @pytest.fixture(params=BACKENDS)
+@tiers.needs("mount")
 def mounted(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mounted]:
     """A live mount of a fresh, empty prefix on each backend."""
     backend = request.param
@@ -81,6 +144,7 @@ def mounted(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mounted]
 
 
 @pytest.fixture
+@tiers.needs("mount")
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB filesystem for the cache directory: it fills at once (root only)."""
     path = tmp_path / "tiny"
@@ -96,6 +160,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(params=["memory", "local"])
+@tiers.needs("core")
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
     """An empty prefix without FUSE: a unique memory:// root (the store is class-level) or a
     local tmp dir. Files that need another kind of remote define their own fixture."""

@@ -21,6 +21,8 @@ from typing import Any
 
 import fsspec
 
+import tiers
+
 MARINFS = [sys.executable, "-m", "marinfs"]
 
 
@@ -86,6 +88,7 @@ def subprocess_mount(url: str, mnt: Path, cache_dir: Path, *extra: str,
                      env: dict[str, str] | None = None, storage_options: dict | None = None,
                      ) -> Iterator[int]:
     """``marinfs mount`` exactly as a user runs it (background); yields the daemon PID."""
+    tiers.check("mount FUSE (subprocess_mount)")
     mnt.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
     args = [*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache_dir), *extra]
@@ -122,6 +125,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     """Serve the mount from a thread of this process; yields the core Filesystem (whose
     ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
     ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
+    tiers.check("mount FUSE (inprocess_mount)")
     from marinfs.chunkcache import ChunkCache
     from marinfs.fs import Filesystem
     from marinfs.fuse_ops import FuseAdapter, serve

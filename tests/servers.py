@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import tiers
+
 _LOCAL = "127.0.0.1"
 
 
@@ -181,6 +183,7 @@ def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60, a
 
     ``args``/``endpoint`` (from a stopped server's ``proc.args``/``endpoint``) start it again
     on the same ports and data directory, as a restarted server."""
+    tiers.check("start SeaweedFS")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if args is not None and endpoint is not None:
@@ -233,6 +236,7 @@ class GCSServer:
 
 def start_fake_gcs(workdir: Path, bucket: str = "marin", timeout: float = 30) -> GCSServer:
     """Start fake-gcs-server on a free port, create ``bucket`` and wait until it is listed."""
+    tiers.check("start fake-gcs-server")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -16,6 +16,7 @@ import pytest
 
 from marinfs import cli
 from mounting import MARINFS, Mounted, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
+import tiers
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -77,6 +78,7 @@ def test_unusable_cache_dir_and_log_file_fail_the_mount_with_one_line(tmp_path: 
             force_unmount(tmp_path / "mnt")
 
 
+@pytest.mark.mount
 def test_a_mountpoint_with_spaces_newlines_and_unicode(tmp_path: Path) -> None:
     """/proc/mounts escapes them; umount, status and path must find the mount all the same."""
     (tmp_path / "remote").mkdir()
@@ -160,6 +162,7 @@ def test_a_name_that_is_not_utf8(mounted: Mounted) -> None:
     assert os.listdir(mounted.mnt) == ["fine"]
 
 
+@pytest.mark.mount
 def test_a_local_name_that_is_not_utf8_does_not_break_its_directory(tmp_path: Path) -> None:
     """A local remote may hold names that are not UTF-8: the rest of the directory lists."""
     remote = tmp_path / "remote"
@@ -192,6 +195,7 @@ SEAWEEDFS_KEEPS = ("g/", "h", "h/inside", "nl/new\nline", "ok/plain")
 
 
 @pytest.fixture(params=["s3", "gcs"])
+@tiers.needs("mount")
 def odd_keys(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     from conftest import object_store
 
@@ -244,6 +248,7 @@ def test_keys_that_are_not_posix_names_are_hidden_or_shown_never_a_crash(odd_key
 
 # -- big directories, empty and huge files --------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["local", "memory"])
+@pytest.mark.mount
 def test_a_directory_of_10000_entries(backend: str, tmp_path: Path) -> None:
     names = [f"entry-{i:05d}" for i in range(10_000)]
     if backend == "local":
@@ -282,6 +287,7 @@ def test_zero_byte_files(mounted: Mounted) -> None:
     assert (m / "remote-empty").read_bytes() == b""
 
 
+@pytest.mark.mount
 def test_a_sparse_file_over_5_gib_reads_at_every_offset(tmp_path: Path) -> None:
     """Sizes and offsets past 4 GiB (32-bit overflow) through FUSE, the reader and the cache."""
     remote = tmp_path / "remote"
@@ -308,6 +314,7 @@ def test_a_sparse_file_over_5_gib_reads_at_every_offset(tmp_path: Path) -> None:
         assert tail.stdout == b"\0\0end"
 
 
+@pytest.mark.mount
 def test_a_staged_file_grown_past_5_gib_then_cut_back_commits_only_what_is_left(tmp_path: Path) -> None:
     """ftruncate to 5 GiB + 1 and a write near its end stay local and sparse; only the final
     size is uploaded."""

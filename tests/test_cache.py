@@ -20,6 +20,9 @@ import pytest
 
 from conftest import object_store
 from mounting import MARINFS, fsspec_client, inprocess_mount
+import tiers
+
+pytestmark = pytest.mark.mount  # every test here mounts
 
 MiB = 1 << 20
 CHUNK = 1 * MiB  # small chunks keep CI sizes small while exercising many chunks
@@ -39,6 +42,7 @@ class Remote:
 
 
 @pytest.fixture(params=["local", "s3", "gcs"])
+@tiers.needs("mount")
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
     if request.param == "local":
         (tmp_path / "remote").mkdir()

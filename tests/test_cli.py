@@ -75,6 +75,7 @@ def test_bad_flag_values(tmp_path: Path, remote_dir: Path) -> None:
     assert_one_line_error(marinfs("frobnicate"))
 
 
+@pytest.mark.mount
 def test_already_mounted(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache"):
@@ -87,6 +88,7 @@ def test_umount_of_a_plain_directory(tmp_path: Path) -> None:
     assert_one_line_error(marinfs("umount", str(tmp_path)), "not a marinfs mount")
 
 
+@pytest.mark.mount
 def test_mount_uses_marin_prefix_and_umount_waits_for_the_daemon(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -107,6 +109,7 @@ def test_mount_uses_marin_prefix_and_umount_waits_for_the_daemon(tmp_path: Path,
         force_unmount(mnt)
 
 
+@pytest.mark.mount
 def test_relative_remote_is_resolved_at_mount_time(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -121,6 +124,7 @@ def test_relative_remote_is_resolved_at_mount_time(tmp_path: Path, remote_dir: P
         force_unmount(mnt)
 
 
+@pytest.mark.mount
 def test_foreground_mount_stops_on_umount(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -141,6 +145,7 @@ def test_foreground_mount_stops_on_umount(tmp_path: Path, remote_dir: Path) -> N
         proc.communicate(timeout=30)
 
 
+@pytest.mark.mount
 def test_path_converts_both_ways(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache"):
@@ -153,6 +158,7 @@ def test_path_converts_both_ways(tmp_path: Path, remote_dir: Path) -> None:
         assert_one_line_error(marinfs("path", "/definitely/not/mounted"), "not under any marinfs mount")
 
 
+@pytest.mark.mount
 def test_read_only_mount(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache", "--read-only"):
@@ -165,6 +171,7 @@ def test_read_only_mount(tmp_path: Path, remote_dir: Path) -> None:
     assert (remote_dir / "a.txt").read_text() == "a"
 
 
+@pytest.mark.mount
 def test_owner_and_modes_from_flags(tmp_path: Path, remote_dir: Path) -> None:
     mnt = tmp_path / "mnt"
     (remote_dir / "d").mkdir()

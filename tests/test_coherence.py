@@ -17,6 +17,7 @@ import pytest
 
 from conftest import object_store
 from mounting import fsspec_client, inprocess_mount, subprocess_mount
+import tiers
 
 MiB = 1 << 20
 TTL = 1.0  # metadata TTL of both nodes; the kernel caches attributes min(TTL, 1 s) on top
@@ -40,6 +41,7 @@ class Nodes:
 
 
 @pytest.fixture(params=["s3", "gcs"])
+@tiers.needs("mount")
 def nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
     url, options, env = object_store(request, request.param)
     client, root = fsspec_client(url, {**options, "use_listings_cache": False})

@@ -18,6 +18,7 @@ from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
 from marinfs.writer import StagedFile
+import tiers
 
 KiB, MiB = 1 << 10, 1 << 20
 W, RW, CREAT = os.O_WRONLY, os.O_RDWR, os.O_CREAT | os.O_WRONLY
@@ -39,6 +40,7 @@ def raises_errno(code: int) -> AbstractContextManager[Any]:
 
 # -- fixtures and helpers ----------------------------------------------------------------------
 @pytest.fixture
+@tiers.needs("core")
 def fs(remote: Remote, tmp_path: Path) -> Filesystem:
     return Filesystem(remote, staging_dir=tmp_path / "staging")
 

@@ -18,6 +18,9 @@ import pytest
 
 from mounting import MARINFS, force_unmount, subprocess_mount
 from servers import free_port
+import tiers
+
+pytestmark = pytest.mark.mount  # every test here mounts
 
 
 @pytest.fixture
@@ -60,6 +63,7 @@ def test_sd_notify_ready_only_once_mounted_and_stopping_on_sigterm(tmp_path: Pat
 
 
 @pytest.fixture
+@tiers.needs("mount")
 def mount_helper_installed() -> Iterator[Path]:
     """/sbin/mount.marinfs for this test (mount(8) looks for helpers only in /sbin)."""
     if os.geteuid() != 0:

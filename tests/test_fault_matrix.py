@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+import tiers
 from conftest import object_store
 from faults import HttpFaultProxy, HttpRequest
 from mounting import MARINFS, force_unmount, fsspec_client, subprocess_mount
@@ -75,6 +76,7 @@ class Store:
 
 
 @pytest.fixture
+@tiers.needs("mount")
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     backend = request.param
     if backend == "local":

@@ -33,6 +33,7 @@ from marinfs.recovery import recover
 from marinfs.remote import Remote
 from marinfs.writer import JOURNAL_SUFFIX
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
+import tiers
 
 KiB, MiB = 1 << 10, 1 << 20
 FAST_RETRIES = RemoteSettings(attempts=3, backoff_base=0.01, backoff_max=0.05)
@@ -87,6 +88,7 @@ class Faulty:
 
 
 @pytest.fixture
+@tiers.needs("mount")
 def faulty(tmp_path: Path) -> Iterator[Faulty]:
     url = f"memory://faults-{uuid.uuid4().hex[:12]}"
     client, root = fsspec_client(url)
@@ -304,6 +306,7 @@ def test_a_changed_object_is_stale_at_once_on_object_stores(request: pytest.Fixt
     assert remote.stats.count("get") == 1 and time.monotonic() - started < 1
 
 
+@pytest.mark.mount
 def test_a_handle_on_s3_moves_to_a_new_version_or_is_estale_never_eio(s3_server: Any, tmp_path: Path) -> None:
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
     client, root = fsspec_client(url, {**s3_server.storage_options(), "use_listings_cache": False})
@@ -357,6 +360,7 @@ def test_wall_clock_jumps_do_not_move_ttls_or_lose_writes(faulty: Faulty, monkey
     monkeypatch.undo()
 
 
+@pytest.mark.mount
 def test_a_new_version_with_the_old_size_and_mtime_is_never_served_stale(tmp_path: Path) -> None:
     """A clock that jumped back, `cp -p` or `rsync -a` can give a rewritten file its old mtime;
     local versions must still differ, or cached chunks of the old bytes would be served."""
@@ -382,6 +386,7 @@ def test_a_new_version_with_the_old_size_and_mtime_is_never_served_stale(tmp_pat
         assert subprocess.run(["cat", str(tmp_path / "mnt/f")], capture_output=True).stdout == old[:1000] + new[1000:]
 
 
+@pytest.mark.core
 def test_conflict_copies_never_overwrite_each_other(tmp_path: Path) -> None:
     """Two kept commits of one key that both clash are committed in the same second (a clock
     jump back makes that likelier): each must keep its own bytes."""
@@ -433,6 +438,7 @@ def mount_args(retries: int) -> list[str]:
     return ["--chunk-size", "1M", "--retries", str(retries), "--connect-timeout", "2", "--read-timeout", "5"]
 
 
+@pytest.mark.mount
 def test_thirty_percent_of_requests_answered_503_lose_nothing(proxied_s3: ProxiedS3, tmp_path: Path) -> None:
     p = proxied_s3
     p.proxy.fail_fraction = 0.3
@@ -460,6 +466,7 @@ def test_thirty_percent_of_requests_answered_503_lose_nothing(proxied_s3: Proxie
     assert p.proxy.counts["503"] >= 10, p.proxy.counts
 
 
+@pytest.mark.mount
 def test_server_stops_mid_read_eio_in_bounded_time_then_recovers(proxied_s3: ProxiedS3, tmp_path: Path) -> None:
     p = proxied_s3
     data, other = os.urandom(4 * MiB), os.urandom(2 * MiB)
@@ -482,6 +489,7 @@ def test_server_stops_mid_read_eio_in_bounded_time_then_recovers(proxied_s3: Pro
         assert p.proxy.counts[f"server stopped after {300 * KiB} response bytes"] == 2
 
 
+@pytest.mark.mount
 def test_server_stops_mid_upload_close_fails_and_the_bytes_survive(proxied_s3: ProxiedS3, tmp_path: Path) -> None:
     p = proxied_s3
     p.client.pipe_file(f"{p.root}/ckpt.bin", b"old version")
@@ -511,6 +519,7 @@ def test_server_stops_mid_upload_close_fails_and_the_bytes_survive(proxied_s3: P
     assert not journals(cache)
 
 
+@pytest.mark.mount
 def test_server_stops_mid_listing_ls_fails_whole_then_lists_everything(proxied_s3: ProxiedS3, tmp_path: Path) -> None:
     p = proxied_s3
     p.client.pipe({f"{p.root}/many/k{i:05d}": b"x" for i in range(1001)}, batch_size=64)  # two pages
@@ -541,6 +550,7 @@ for i in range(n):
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_sigkill_of_the_daemon_during_writes_loses_no_acknowledged_byte(
         request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
     from conftest import object_store

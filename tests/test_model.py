@@ -8,10 +8,16 @@ in separate steps), so close-to-commit and several handles on one file are exerc
 unmount + remount over the same cache directory and, on daemons in their own process, SIGKILL
 with files open followed by a new daemon (recovery).
 
+The rules call a driver, so the same machine also runs on ``marinfs.fs.Filesystem`` without
+FUSE (``FsDriver``: the calls FuseAdapter makes, plus what the kernel answers before a call
+reaches FUSE), on memory and local, in the core tier: many more steps in the same time, with a
+crash as an abandoned Filesystem whose journals the next one replays.
+
 Budget: ``MARINFS_MODEL_EXAMPLES`` sequences of up to ``MARINFS_MODEL_STEPS`` steps per backend
 in ``MARINFS_MODEL_BACKENDS`` (CI: local and s3, a bounded budget, derandomized so a run is
 reproducible); ``make soak`` sets them high, on every backend, with random seeds. Each run prints
-how many examples and steps it ran.
+how many examples and steps it ran. The core machine: ``MARINFS_MODEL_CORE_EXAMPLES`` ×
+``MARINFS_MODEL_CORE_STEPS``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import posixpath
 import random
 import signal
 import stat
@@ -37,12 +44,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from conftest import object_store
 from mounting import force_unmount, fsspec_client, inprocess_mount, subprocess_mount
+import tiers
 
 KiB = 1 << 10
 CHUNK = 64 * KiB  # the smallest chunk size: files of a few hundred KiB span several chunks
 EXAMPLES = int(os.environ.get("MARINFS_MODEL_EXAMPLES", "12"))
 STEPS = int(os.environ.get("MARINFS_MODEL_STEPS", "40"))
 BACKENDS = os.environ.get("MARINFS_MODEL_BACKENDS", "local,s3").split(",")
+# The same machine on the Filesystem core (memory and local, no FUSE): a bigger budget, fast tier.
+CORE_EXAMPLES = int(os.environ.get("MARINFS_MODEL_CORE_EXAMPLES", "30"))
+CORE_STEPS = int(os.environ.get("MARINFS_MODEL_CORE_STEPS", "50"))
 RANDOM = os.environ.get("MARINFS_MODEL_RANDOM", "") not in ("", "0")  # soak: fresh seeds each run
 REMOUNT_EVERY = 8  # at most one remount or crash per this many steps: each costs a daemon start
 
@@ -77,27 +88,6 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
         return ("err", errno.errorcode.get(exc.errno or 0, str(exc.errno)))
 
 
-def snapshot(root: Path) -> dict[str, Any]:
-    """Every entry below ``root``: directories as 'dir', files as (size, bytes). Raises on any error,
-    unlike os.walk, which would hide one."""
-    out: dict[str, Any] = {}
-
-    def walk(rel: str) -> None:
-        base = root / rel if rel else root
-        for entry in sorted(os.listdir(base)):
-            name = f"{rel}/{entry}" if rel else entry
-            st_ = os.stat(root / name)
-            if os.path.isdir(root / name):
-                out[name] = "dir"
-                walk(name)
-            else:
-                data = (root / name).read_bytes()
-                out[name] = (st_.st_size, data)
-
-    walk("")
-    return out
-
-
 def describe(tree: dict[str, Any]) -> dict[str, Any]:
     """A readable form of a snapshot for assertion messages (sizes and a digest, not bytes)."""
     import hashlib
@@ -105,7 +95,249 @@ def describe(tree: dict[str, Any]) -> dict[str, Any]:
     return {k: v if v == "dir" else (v[0], hashlib.sha1(v[1]).hexdigest()[:8]) for k, v in tree.items()}
 
 
-# -- the mount under test ----------------------------------------------------------------------
+# -- drivers: the POSIX calls the rules make, on a directory or on the Filesystem core -----------
+class Driver:
+    """The calls the state machine makes, by path relative to the driver's root or by handle.
+    Each raises OSError with the errno a process would see."""
+
+    def open(self, path: str, flags: int) -> Any: raise NotImplementedError
+    def close(self, h: Any) -> None: raise NotImplementedError
+    def pread(self, h: Any, size: int, offset: int) -> bytes: raise NotImplementedError
+    def pwrite(self, h: Any, data: bytes, offset: int) -> int: raise NotImplementedError
+    def append(self, h: Any, data: bytes) -> int: raise NotImplementedError
+    def ftruncate(self, h: Any, length: int) -> None: raise NotImplementedError
+    def fsync(self, h: Any) -> None: raise NotImplementedError
+    def truncate(self, path: str, length: int) -> None: raise NotImplementedError
+    def mkdir(self, path: str) -> None: raise NotImplementedError
+    def rmdir(self, path: str) -> None: raise NotImplementedError
+    def unlink(self, path: str) -> None: raise NotImplementedError
+    def rename(self, src: str, dst: str) -> None: raise NotImplementedError
+    def stat(self, path: str) -> tuple[str, int]: raise NotImplementedError  # ("dir", 0) or ("file", size)
+    def listdir(self, path: str) -> list[str]: raise NotImplementedError
+
+    def read_file(self, path: str) -> bytes:
+        h = self.open(path, os.O_RDONLY)
+        try:
+            out = bytearray()
+            while chunk := self.pread(h, 1 << 20, len(out)):
+                out += chunk
+            return bytes(out)
+        finally:
+            self.close(h)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        h = self.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            self.pwrite(h, data, 0)
+        finally:
+            self.close(h)
+
+    def snapshot(self, root: str) -> dict[str, Any]:
+        """Every entry below ``root``: directories as 'dir', files as (size, bytes). Raises on any
+        error, unlike os.walk, which would hide one."""
+        out: dict[str, Any] = {}
+
+        def walk(rel: str) -> None:
+            for entry in sorted(self.listdir(f"{root}/{rel}" if rel else root)):
+                name = f"{rel}/{entry}" if rel else entry
+                kind, size = self.stat(f"{root}/{name}")
+                if kind == "dir":
+                    out[name] = "dir"
+                    walk(name)
+                else:
+                    out[name] = (size, self.read_file(f"{root}/{name}"))
+
+        walk("")
+        return out
+
+
+class OsDriver(Driver):
+    """os.* below a directory: the model (a local disk), or a mount of marinfs."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+
+    def open(self, path: str, flags: int) -> int:
+        return os.open(self.base / path, flags, 0o644)
+
+    def close(self, h: int) -> None:
+        os.close(h)
+
+    def pread(self, h: int, size: int, offset: int) -> bytes:
+        return os.pread(h, size, offset)
+
+    def pwrite(self, h: int, data: bytes, offset: int) -> int:
+        return os.pwrite(h, data, offset)
+
+    def append(self, h: int, data: bytes) -> int:
+        return os.write(h, data)
+
+    def ftruncate(self, h: int, length: int) -> None:
+        os.ftruncate(h, length)
+
+    def fsync(self, h: int) -> None:
+        os.fsync(h)
+
+    def truncate(self, path: str, length: int) -> None:
+        os.truncate(self.base / path, length)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(self.base / path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(self.base / path)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(self.base / path)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self.base / src, self.base / dst)
+
+    def stat(self, path: str) -> tuple[str, int]:
+        s = os.stat(self.base / path)
+        return ("dir", 0) if stat.S_ISDIR(s.st_mode) else ("file", s.st_size)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(self.base / path)
+
+
+@dataclass
+class CoreHandle:
+    """A descriptor of FsDriver: the Filesystem handle plus what the kernel's VFS keeps."""
+
+    fh: int | None  # None for a directory opened read-only (the kernel's opendir)
+    flags: int
+    path: str
+    generation: int  # the Filesystem it belongs to; one that crashed answers ENOTCONN
+
+
+class FsDriver(Driver):
+    """marinfs.fs.Filesystem called as fuse_ops.FuseAdapter calls it, plus what the kernel does
+    before a call reaches FUSE: the lookup of every path component (ENOENT, ENOTDIR), the
+    access mode of a descriptor (EBADF, EINVAL), O_EXCL and directories at open, flush then
+    release at close, and zero-length reads and writes answered without a request."""
+
+    def __init__(self, target: CoreTarget) -> None:
+        self.target = target
+
+    @property
+    def fs(self) -> Any:
+        return self.target.fs
+
+    def _walk(self, path: str) -> None:
+        """Look up every parent, as the kernel does before any call on ``path``."""
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if self.fs.getattr("/" + "/".join(parts[:i])).is_dir is False:
+                raise OSError(errno.ENOTDIR, "not a directory", path)
+
+    def _lookup(self, path: str) -> Any:
+        self._walk(path)
+        return self.fs.getattr("/" + path)
+
+    def _live(self, h: CoreHandle) -> CoreHandle:
+        if h.generation != self.target.generation:
+            raise OSError(errno.ENOTCONN, "the filesystem that opened it is gone")
+        return h
+
+    def open(self, path: str, flags: int) -> CoreHandle:
+        self._walk(path)
+        writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        try:
+            info = self.fs.getattr("/" + path)
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+            return CoreHandle(self.fs.create("/" + path, flags), flags, path, self.target.generation)
+        if flags & os.O_CREAT and flags & os.O_EXCL:
+            raise OSError(errno.EEXIST, "exists", path)
+        if info.is_dir:
+            if writable or flags & os.O_CREAT:
+                raise OSError(errno.EISDIR, "is a directory", path)
+            return CoreHandle(None, flags, path, self.target.generation)
+        fh = self.fs.open("/" + path, flags & ~(os.O_CREAT | os.O_EXCL))
+        return CoreHandle(fh, flags, path, self.target.generation)
+
+    def close(self, h: CoreHandle) -> None:
+        self._live(h)
+        if h.fh is None:
+            return
+        try:
+            self.fs.flush(h.fh)  # close(2) returns flush's error; release cannot report one
+        finally:
+            self.fs.release(h.fh)
+
+    def pread(self, h: CoreHandle, size: int, offset: int) -> bytes:
+        self._live(h)
+        if h.fh is None:
+            raise OSError(errno.EISDIR, "is a directory")
+        if h.flags & os.O_ACCMODE == os.O_WRONLY:
+            raise OSError(errno.EBADF, "not open for reading")
+        return self.fs.read(h.fh, size, offset) if size else b""
+
+    def _writable(self, h: CoreHandle) -> int:
+        self._live(h)
+        if h.fh is None or h.flags & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "not open for writing")
+        return h.fh
+
+    def pwrite(self, h: CoreHandle, data: bytes, offset: int) -> int:
+        fh = self._writable(h)
+        return self.fs.write(fh, data, offset) if data else 0
+
+    def append(self, h: CoreHandle, data: bytes) -> int:
+        fh = self._writable(h)
+        return self.fs.write(fh, data, 0) if data else 0  # O_APPEND: the handle writes at its end
+
+    def ftruncate(self, h: CoreHandle, length: int) -> None:
+        self._live(h)
+        if h.fh is None or h.flags & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EINVAL, "not open for writing")
+        self.fs.truncate("/" + h.path, length, h.fh)
+
+    def fsync(self, h: CoreHandle) -> None:
+        self._live(h)
+        if h.fh is not None:
+            self.fs.fsync(h.fh)
+
+    def truncate(self, path: str, length: int) -> None:
+        if self._lookup(path).is_dir:
+            raise OSError(errno.EISDIR, "is a directory", path)
+        self.fs.truncate("/" + path, length)
+
+    def mkdir(self, path: str) -> None:
+        self._walk(path)
+        self.fs.mkdir("/" + path)
+
+    def rmdir(self, path: str) -> None:
+        self._walk(path)
+        self.fs.rmdir("/" + path)
+
+    def unlink(self, path: str) -> None:
+        self._walk(path)
+        self.fs.unlink("/" + path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._walk(src)  # both parents first, then the source itself, as the VFS does
+        self._walk(dst)
+        self.fs.getattr("/" + src)
+        # The VFS checks these (lock_rename's trap) before the rename reaches FUSE.
+        if dst.startswith(src + "/"):
+            raise OSError(errno.EINVAL, "into itself", dst)
+        if src.startswith(dst + "/"):
+            raise OSError(errno.ENOTEMPTY, "onto an ancestor", dst)
+        self.fs.rename("/" + src, "/" + dst)
+
+    def stat(self, path: str) -> tuple[str, int]:
+        info = self._lookup(path)
+        return ("dir", 0) if info.is_dir else ("file", info.size)
+
+    def listdir(self, path: str) -> list[str]:
+        self._walk(path)
+        return [posixpath.basename(info.name) for info in self.fs.readdir("/" + path)]
+
+
+# -- what is under test: a mount, or the Filesystem core ----------------------------------------
 @dataclass
 class Target:
     """One mount that the state machine may unmount, remount or kill; always torn down."""
@@ -123,6 +355,9 @@ class Target:
     @property
     def killable(self) -> bool:
         return self.backend != "memory"  # memory:// lives in this process: no daemon to kill
+
+    def driver(self) -> Driver:
+        return OsDriver(self.mnt)
 
     def mount(self) -> None:
         assert self._stack is None
@@ -160,7 +395,64 @@ class Target:
         self.crashes += 1
 
 
+@dataclass
+class CoreTarget:
+    """A Filesystem over a Remote, started as the daemon starts one (journals replayed first);
+    "unmount" is close_all, "kill" abandons it with its files open and staged."""
+
+    backend: str
+    remote: Any
+    cache_dir: Path
+    fs: Any = None
+    cache: Any = None
+    generation: int = 0
+    mounts: int = 0
+    crashes: int = 0
+    killable: bool = True
+    dead: list[Any] = field(default_factory=list)  # crashed ones, kept until the test ends
+
+    def driver(self) -> Driver:
+        return FsDriver(self)
+
+    def mount(self) -> None:
+        """As the daemon starts: the chunk cache of the same directory, journals replayed."""
+        from marinfs.chunkcache import ChunkCache
+        from marinfs.fs import Filesystem
+        from marinfs.reader import ChunkFetcher
+        from marinfs.recovery import recover
+
+        assert self.fs is None
+        self.cache = ChunkCache(self.cache_dir, 64 << 20)
+        recover(self.cache_dir / "staging", self.remote)
+        self.fs = Filesystem(self.remote, staging_dir=self.cache_dir / "staging",
+                             fetcher=ChunkFetcher(self.remote.read_range, self.cache, chunk_size=CHUNK))
+        self.generation += 1
+        self.mounts += 1
+
+    def _stop(self) -> None:
+        self.fs.fetcher.close()
+        self.cache.close()
+        self.fs = self.cache = None
+        self.generation += 1
+
+    def unmount(self) -> None:
+        if self.fs is not None:
+            self.fs.close_all()
+            self._stop()
+
+    def kill(self) -> None:
+        """What dies with the process: threads and the cache lock. The staged files, their
+        journals and the chunks on disk stay; the dead Filesystem is never called again."""
+        self.dead.append(self.fs)
+        self._stop()
+        self.crashes += 1
+
+    def close(self) -> None:
+        self.unmount()
+
+
 @pytest.fixture(params=BACKENDS)
+@tiers.needs("mount")
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     backend = request.param
     mnt, cache = tmp_path / "mnt", tmp_path / "cache"
@@ -188,6 +480,18 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
                     os.kill(t.pid, signal.SIGKILL)
 
 
+@pytest.fixture
+@tiers.needs("core")
+def core_target(remote: Any, tmp_path: Path) -> Iterator[CoreTarget]:
+    """The Filesystem core over conftest's memory and local remotes."""
+    t = CoreTarget("memory" if remote.url.startswith("memory://") else "local", remote, tmp_path / "cache")
+    t.mount()
+    try:
+        yield t
+    finally:
+        t.close()
+
+
 def daemon_of(pid: int, mnt: Path) -> bool:
     """Whether ``pid`` still is the marinfs daemon we started for ``mnt`` (not a reused PID)."""
     try:
@@ -202,7 +506,7 @@ class OpenFile:
     path: str  # where it was opened (files may be renamed or unlinked while open)
     flags: int
     model: int  # the descriptor on the model
-    mount: int  # the descriptor on the mount
+    mount: Any  # the descriptor (or core handle) on the filesystem under test
     # Bytes the file had at open: a read-only handle may keep serving the version it opened
     # (docs/semantics.md: "no mixed versions") once the file changed under it.
     opened: bytes | None = None
@@ -221,7 +525,12 @@ class Counters:
     errnos: dict[str, int] = {}
 
 
-def make_machine(target: Target, model_base: Path, counters: Counters) -> type[RuleBasedStateMachine]:
+def make_machine(target: Target | CoreTarget, model_base: Path, counters: Counters) -> type[RuleBasedStateMachine]:
+    """The rules, for either target: the model is always os.* on a local directory; the
+    other side is ``target.driver()`` (os.* on the mount, or the Filesystem core's calls)."""
+    model_driver = OsDriver(model_base)
+    target_driver = target.driver()
+
     class MountVersusModel(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -234,12 +543,12 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
         def m(self) -> Path:
             return model_base / self.root
 
-        @property
-        def t(self) -> Path:
-            return target.mnt / self.root
+        def at(self, path: str) -> str:
+            return f"{self.root}/{path}" if path else self.root
 
-        def both(self, op: Callable[[Path], Any]) -> tuple[tuple[str, Any], tuple[str, Any]]:
-            return outcome(lambda: op(self.m)), outcome(lambda: op(self.t))
+        def both(self, op: Callable[[Driver, str], Any], path: str) -> tuple[tuple[str, Any], tuple[str, Any]]:
+            return (outcome(lambda: op(model_driver, self.at(path))),
+                    outcome(lambda: op(target_driver, self.at(path))))
 
         def agree(self, what: str, model: tuple[str, Any], mount: tuple[str, Any]) -> None:
             outcome_name = model[1] if model[0] == "err" else "ok"
@@ -260,11 +569,6 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
 
         def pick(self, slot: int) -> OpenFile | None:
             return self.files[slot % len(self.files)] if self.files else None
-
-        def current_bytes(self, f: OpenFile) -> bytes:
-            """What the model's file (the inode the descriptor refers to) holds now."""
-            size = os.fstat(f.model).st_size
-            return os.pread(f.model, size, 0) if size else b""
 
         def note_change(self) -> None:
             """Record what each read-only descriptor's file holds now: the versions it may serve."""
@@ -293,18 +597,18 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             counters.examples += 1
             self.root = f"ex-{uuid.uuid4().hex[:8]}"
             seed = random.Random(counters.examples).randbytes(CHUNK + 100)
-            for root in (self.m, self.t):  # something to meet: a directory, a file in it, a file
-                os.mkdir(root)
-                os.mkdir(root / "a")
-                (root / "a/b").write_bytes(seed)
-                (root / "c").write_bytes(seed[:10])
+            for d in (model_driver, target_driver):  # something to meet: a directory, a file in it, a file
+                d.mkdir(self.root)
+                d.mkdir(self.at("a"))
+                d.write_file(self.at("a/b"), seed)
+                d.write_file(self.at("c"), seed[:10])
 
         def teardown(self) -> None:
             for f in self.files:
                 with contextlib.suppress(OSError):
-                    os.close(f.model)
+                    model_driver.close(f.model)
                 with contextlib.suppress(OSError):
-                    os.close(f.mount)
+                    target_driver.close(f.mount)
             self.files.clear()
 
         # -- descriptors ---------------------------------------------------------------------
@@ -314,7 +618,7 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
 
         def open_path(self, path: str, how: str) -> None:
             flags = FLAGS[how]
-            model, mount = self.both(lambda root: os.open(root / path, flags, 0o644))
+            model, mount = self.both(lambda d, p: d.open(p, flags), path)
             if model[0] == "ok" and mount[0] == "ok":
                 f = OpenFile(path, flags, model[1], mount[1])
                 if not f.writable:
@@ -324,9 +628,9 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
                 self.note_change()
                 self.agree(f"open({path!r}, {how})", ("ok", None), ("ok", None))  # (counted)
                 return
-            for side in (model, mount):  # one side opened, the other did not: close it again
+            for side, d in ((model, model_driver), (mount, target_driver)):  # one side opened: close it
                 if side[0] == "ok":
-                    os.close(side[1])
+                    d.close(side[1])
             self.agree(f"open({path!r}, {how})", model, mount)
 
         def handle(self, slot: int, data: st.DataObject) -> OpenFile | None:
@@ -337,17 +641,18 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
                 self.open_path(self.where(data), how)
             return self.pick(slot)
 
+        def on_fd(self, f: OpenFile, op: Callable[[Driver, Any], Any]) -> tuple[tuple[str, Any], tuple[str, Any]]:
+            return outcome(lambda: op(model_driver, f.model)), outcome(lambda: op(target_driver, f.mount))
+
         @rule(slot=fd_slots, blob=blobs, offset=offsets, data=st.data())
         def write(self, slot: int, blob: bytes, offset: int, data: st.DataObject) -> None:
             f = self.handle(slot, data)
             if f is None:
                 return
             if f.flags & os.O_APPEND:
-                model = outcome(lambda: os.write(f.model, blob))
-                mount = outcome(lambda: os.write(f.mount, blob))
+                model, mount = self.on_fd(f, lambda d, h: d.append(h, blob))
             else:
-                model = outcome(lambda: os.pwrite(f.model, blob, offset))
-                mount = outcome(lambda: os.pwrite(f.mount, blob, offset))
+                model, mount = self.on_fd(f, lambda d, h: d.pwrite(h, blob, offset))
             self.agree(f"write {len(blob)} bytes at {offset} to {f.path!r}", model, mount)
             self.note_change()
 
@@ -356,8 +661,7 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             f = self.handle(slot, data)
             if f is None:
                 return
-            model = outcome(lambda: os.pread(f.model, size, offset))
-            mount = outcome(lambda: os.pread(f.mount, size, offset))
+            model, mount = self.on_fd(f, lambda d, h: d.pread(h, size, offset))
             if mount != model and not f.writable and model[0] == "ok":
                 # Documented: once its file changed, a read-only handle fails with ESTALE or
                 # keeps serving one version it saw, never a mix (docs/semantics.md, Reading).
@@ -372,8 +676,7 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             f = self.handle(slot, data)
             if f is None:
                 return
-            model = outcome(lambda: os.ftruncate(f.model, length))
-            mount = outcome(lambda: os.ftruncate(f.mount, length))
+            model, mount = self.on_fd(f, lambda d, h: d.ftruncate(h, length))
             self.agree(f"ftruncate({f.path!r}, {length})", model, mount)
             self.note_change()
 
@@ -382,8 +685,7 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             f = self.handle(slot, data)
             if f is None:
                 return
-            model = outcome(lambda: os.fsync(f.model))
-            mount = outcome(lambda: os.fsync(f.mount))
+            model, mount = self.on_fd(f, lambda d, h: d.fsync(h))
             self.agree(f"fsync({f.path!r})", model, mount)
 
         @precondition(lambda self: self.files)
@@ -392,41 +694,40 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             f = self.pick(slot)
             assert f is not None
             self.files.remove(f)
-            model = outcome(lambda: os.close(f.model))
-            mount = outcome(lambda: os.close(f.mount))  # close commits: it must report success
+            model, mount = self.on_fd(f, lambda d, h: d.close(h))  # close commits: it must report success
             self.agree(f"close({f.path!r})", model, mount)
 
         # -- paths ---------------------------------------------------------------------------
         @rule(data=st.data(), length=lengths)
         def truncate(self, data: st.DataObject, length: int) -> None:
             path = self.where(data)
-            model, mount = self.both(lambda root: os.truncate(root / path, length))
+            model, mount = self.both(lambda d, p: d.truncate(p, length), path)
             self.agree(f"truncate({path!r}, {length})", model, mount)
             self.note_change()
 
         @rule(data=st.data())
         def mkdir(self, data: st.DataObject) -> None:
             path = self.where(data)
-            model, mount = self.both(lambda root: os.mkdir(root / path))
+            model, mount = self.both(lambda d, p: d.mkdir(p), path)
             self.agree(f"mkdir({path!r})", model, mount)
 
         @rule(data=st.data())
         def rmdir(self, data: st.DataObject) -> None:
             path = self.where(data)
-            model, mount = self.both(lambda root: os.rmdir(root / path))
+            model, mount = self.both(lambda d, p: d.rmdir(p), path)
             self.agree(f"rmdir({path!r})", model, mount)
 
         @rule(data=st.data())
         def unlink(self, data: st.DataObject) -> None:
             path = self.where(data)
-            model, mount = self.both(lambda root: os.unlink(root / path))
+            model, mount = self.both(lambda d, p: d.unlink(p), path)
             self.agree(f"unlink({path!r})", model, mount)
             self.note_change()
 
         @rule(data=st.data())
         def rename(self, data: st.DataObject) -> None:
             src, dst = self.where(data), self.where(data)
-            model, mount = self.both(lambda root: os.rename(root / src, root / dst))
+            model, mount = self.both(lambda d, p: d.rename(p, self.at(dst)), src)
             self.agree(f"rename({src!r}, {dst!r})", model, mount)
             self.note_change()
 
@@ -434,14 +735,9 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
         def look(self, data: st.DataObject) -> None:
             """stat and listdir (the tree itself is compared after every step anyway)."""
             path = "" if data.draw(st.booleans(), label="the root") else self.where(data)
-
-            def kind_and_size(root: Path) -> tuple[str, int]:
-                s = os.stat(root / path)
-                return ("dir", 0) if stat.S_ISDIR(s.st_mode) else ("file", s.st_size)
-
-            model, mount = self.both(kind_and_size)
+            model, mount = self.both(lambda d, p: d.stat(p), path)
             self.agree(f"stat({path!r})", model, mount)
-            model, mount = self.both(lambda root: sorted(os.listdir(root / path)))
+            model, mount = self.both(lambda d, p: sorted(d.listdir(p)), path)
             self.agree(f"listdir({path!r})", model, mount)
 
         # -- the daemon ----------------------------------------------------------------------
@@ -463,9 +759,9 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
             (docs/semantics.md, Durability: "as they stood")."""
             target.kill()
             for f in self.files:
-                os.close(f.model)
+                model_driver.close(f.model)
                 with contextlib.suppress(OSError):
-                    os.close(f.mount)  # the dead mount answers ENOTCONN
+                    target_driver.close(f.mount)  # the dead mount answers ENOTCONN
             self.files.clear()
             target.unmount()
             target.mount()
@@ -479,8 +775,8 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
                 return
             counters.steps += 1
             self.since_remount += 1
-            model = snapshot(self.m)
-            mount = snapshot(self.t)
+            model = model_driver.snapshot(self.root)
+            mount = target_driver.snapshot(self.root)
             if mount != model:
                 assert describe(mount) == describe(model), "tree differs"
                 assert mount == model, "tree differs"
@@ -488,8 +784,8 @@ def make_machine(target: Target, model_base: Path, counters: Counters) -> type[R
     return MountVersusModel
 
 
-def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def run_model(target: Target | CoreTarget, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+              examples: int, steps: int, what: str) -> Counters:
     model_base = tmp_path / "model"
     model_base.mkdir()
     counters = Counters()
@@ -499,15 +795,29 @@ def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
     started = time.monotonic()
     try:
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
+            max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
             derandomize=not RANDOM, phases=phases, suppress_health_check=list(HealthCheck),
             print_blob=True))
     finally:
+        took = time.monotonic() - started
         with capsys.disabled():
-            print(f"\nmodel[{target.backend}]: {counters.examples} examples, {counters.steps} steps, "
-                  f"{target.mounts - 1} remounts ({target.crashes} after SIGKILL), "
-                  f"outcomes compared {dict(sorted(counters.errnos.items()))}, "
-                  f"{time.monotonic() - started:.1f} s")
+            print(f"\n{what}[{target.backend}]: {counters.examples} examples, {counters.steps} steps "
+                  f"({counters.steps / max(took, 1e-9):.0f}/s), {target.mounts - 1} remounts "
+                  f"({target.crashes} after a crash), outcomes compared "
+                  f"{dict(sorted(counters.errnos.items()))}, {took:.1f} s")
+    return counters
+
+
+def test_mount_agrees_with_a_local_directory(target: Target, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    run_model(target, tmp_path, capsys, EXAMPLES, STEPS, "model")
+
+
+def test_filesystem_agrees_with_a_local_directory(core_target: CoreTarget, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The same rules on the Filesystem core, no FUSE: many more steps in the same time."""
+    counters = run_model(core_target, tmp_path, capsys, CORE_EXAMPLES, CORE_STEPS, "model-core")
+    assert counters.steps >= CORE_EXAMPLES  # it ran (a broken setup would run nothing)
 
 
 # -- sequences the state machine found, replayed as plain tests on every backend ------------------
@@ -550,6 +860,7 @@ def store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> tuple
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
         request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
     """open; write; unlink; SIGKILL -> the next daemon committed the unlinked file again: its
@@ -575,6 +886,7 @@ def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_bytes_written_after_an_fsync_are_recovered_in_place_after_a_crash(
         request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> None:
     """write; fsync; write; SIGKILL -> the next daemon saw the object at the version the fsync

@@ -23,6 +23,7 @@ from conftest import object_store
 from faults import TcpProxy
 from marinfs.config import RemoteSettings
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount
+import tiers
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Store:
 
 
 @pytest.fixture(params=["s3", "gcs"])
+@tiers.needs("mount")
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     url, options, env = object_store(request, request.param)
     client, root = fsspec_client(url, {**options, "use_listings_cache": False})
@@ -257,6 +259,7 @@ def test_read_fails_with_eio_when_the_server_wedges_mid_mount(s3_server: Any, tm
             assert (tmp_path / "mnt/f").read_bytes() == b"data"
 
 
+@pytest.mark.mount
 def test_endpoint_from_fsspec_config_and_storage_options(s3_server: Any, tmp_path: Path) -> None:
     """FSSPEC_S3 JSON (what Marin writes) and -o KEY=VALUE both reach s3fs, with no AWS_*
     variables at all; the secret stays out of the daemon's command line and its log."""
@@ -284,6 +287,7 @@ def test_endpoint_from_fsspec_config_and_storage_options(s3_server: Any, tmp_pat
 
 
 @pytest.fixture(params=["s3", "gcs"])
+@tiers.needs("mount")
 def prefetching(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A mount with background listings on, as the daemon has them on object stores."""
     url, options, env = object_store(request, request.param)

@@ -18,6 +18,7 @@ import pytest
 
 from mounting import subprocess_mount
 from servers import free_port
+import tiers
 
 N = 300
 KERNEL_ATTR_TIMEOUT = 1.0  # min(--metadata-ttl 5 s, 1 s): then the kernel asks again
@@ -42,6 +43,7 @@ class Mount:
 
 
 @pytest.fixture
+@tiers.needs("mount")
 def mount(tmp_path: Path) -> Iterator[Mount]:
     remote = tmp_path / "remote"
     (remote / "d").mkdir(parents=True)

@@ -20,9 +20,11 @@ from marinfs.remote import Remote
 from marinfs.status import format_failed
 from marinfs.writer import JOURNAL_SUFFIX, StagedFile
 from mounting import force_unmount, subprocess_mount
+import tiers
 
 
 @pytest.fixture
+@tiers.needs("core")
 def remote() -> Remote:
     url = f"memory://recovery-{uuid.uuid4().hex[:10]}"
     r = Remote(url)
@@ -93,6 +95,7 @@ def test_replay_leaves_other_remotes_and_failed_uploads(tmp_path: Path, remote: 
     assert len(list((tmp_path / "staging").glob("*" + JOURNAL_SUFFIX))) == 2  # both kept
 
 
+@pytest.mark.mount
 def test_sigkill_with_a_staged_file_then_a_new_mount_commits_it(tmp_path: Path) -> None:
     remote_dir, mnt, cache = tmp_path / "remote", tmp_path / "mnt", tmp_path / "cache"
     remote_dir.mkdir()

@@ -35,6 +35,7 @@ def private(path: Path) -> list[str]:
     return loose
 
 
+@pytest.mark.mount
 def test_the_cache_dir_is_0700_and_its_files_0600(tmp_path: Path) -> None:
     remote, mnt, cache = tmp_path / "remote", tmp_path / "mnt", tmp_path / "cache"
     remote.mkdir()
@@ -75,6 +76,7 @@ def secret_s3(s3_server: Any, tmp_path: Path) -> Iterator[tuple[str, dict[str, s
     yield url, s3_server.env(), s3_server.secret_key
 
 
+@pytest.mark.mount
 def test_no_credentials_in_logs_errors_status_or_command_lines(secret_s3: tuple[str, dict[str, str], str],
                                                                s3_server: Any, tmp_path: Path) -> None:
     url, env, env_secret = secret_s3
@@ -144,6 +146,7 @@ def as_nobody(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+@pytest.mark.mount
 def test_allow_other_is_off_by_default_and_comes_with_default_permissions(shared_dir: Path) -> None:
     remote, mnt = shared_dir / "remote", shared_dir / "mnt"
     remote.mkdir()
@@ -161,6 +164,7 @@ def test_allow_other_is_off_by_default_and_comes_with_default_permissions(shared
         assert listed.returncode == 0 and "public.txt" in listed.stdout
 
 
+@pytest.mark.mount
 def test_symbolic_links_in_a_local_remote_never_lead_outside_it(tmp_path: Path) -> None:
     remote, outside, mnt = tmp_path / "remote", tmp_path / "outside", tmp_path / "mnt"
     (remote / "sub").mkdir(parents=True)
@@ -193,6 +197,7 @@ def test_symbolic_links_in_a_local_remote_never_lead_outside_it(tmp_path: Path) 
     assert (outside / "secret.txt").read_text() == "outside the prefix"
 
 
+@pytest.mark.mount
 def test_nothing_outside_the_prefix_shows_in_an_object_store_mount(s3_server: Any, tmp_path: Path) -> None:
     """A sibling prefix that starts with the same characters, and keys above the prefix."""
     base = f"t-{uuid.uuid4().hex[:12]}"

@@ -210,6 +210,7 @@ ROUTES = {
 }
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_every_setting_reaches_the_daemon(route: str, values: dict[str, Any], tmp_path: Path) -> None:
     names = on(route)

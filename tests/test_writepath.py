@@ -203,6 +203,7 @@ def _core(request: pytest.FixtureRequest, backend: str, tmp_path: Path,
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.core
 def test_sequential_write_is_uploaded_before_close(request: pytest.FixtureRequest, tmp_path: Path,
                                                    backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
@@ -222,6 +223,7 @@ def test_sequential_write_is_uploaded_before_close(request: pytest.FixtureReques
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.core
 def test_seek_back_patch_of_a_streamed_file(request: pytest.FixtureRequest, tmp_path: Path,
                                             backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
@@ -238,6 +240,7 @@ def test_seek_back_patch_of_a_streamed_file(request: pytest.FixtureRequest, tmp_
 
 @pytest.mark.parametrize("backend", ["memory", "s3"])
 @pytest.mark.parametrize("size", [100, 11 * MiB])
+@pytest.mark.core
 def test_no_blind_overwrite_of_a_changed_object(request: pytest.FixtureRequest, tmp_path: Path,
                                                 backend: str, size: int) -> None:
     """Someone else replaced the object while we had it open: close fails with ESTALE, their
@@ -260,6 +263,7 @@ def test_no_blind_overwrite_of_a_changed_object(request: pytest.FixtureRequest, 
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3"])
+@pytest.mark.core
 def test_a_new_file_never_replaces_one_created_meanwhile(request: pytest.FixtureRequest, tmp_path: Path,
                                                          backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
@@ -274,6 +278,7 @@ def test_a_new_file_never_replaces_one_created_meanwhile(request: pytest.Fixture
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3", "gcs"])
+@pytest.mark.core
 def test_our_own_rewrites_are_not_conflicts(request: pytest.FixtureRequest, tmp_path: Path,
                                             backend: str) -> None:
     """RUNNING -> SUCCESS rewrites by the same node, fsync then more writes, and a rename of an
@@ -298,6 +303,7 @@ def test_our_own_rewrites_are_not_conflicts(request: pytest.FixtureRequest, tmp_
     assert not [p for p in client.ls(root, detail=False) if "conflict" in p]
 
 
+@pytest.mark.objectstore
 def test_gcs_commits_carry_the_generation_precondition(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """fake-gcs-server ignores ifGenerationMatch (DESIGN §7), so check what we ask of GCS: every
     upload names the generation it replaces, or 0 for a new object."""
@@ -343,6 +349,7 @@ def _writer_order_script(mnt: Path, n: int) -> str:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3", "gcs"])
+@pytest.mark.mount
 def test_a_marker_written_last_is_never_seen_before_its_data(request: pytest.FixtureRequest,
                                                              tmp_path: Path, backend: str) -> None:
     url, env, client, root = _store(request, backend, tmp_path)
@@ -373,6 +380,7 @@ def test_a_marker_written_last_is_never_seen_before_its_data(request: pytest.Fix
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_estale_through_the_mount(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
     url, env, client, root = _store(request, backend, tmp_path)
     client.pipe_file(f"{root}/metadata.json", b'{"v": 1}')
@@ -391,6 +399,7 @@ def test_estale_through_the_mount(request: pytest.FixtureRequest, tmp_path: Path
     assert client.cat_file(f"{root}/{conflict}") == b'{"v": "ours"}'
 
 
+@pytest.mark.mount
 def test_remote_down_during_upload_keeps_the_bytes_then_commits_them(s3_server: Any, tmp_path: Path) -> None:
     """The server goes away while a file is being written: close fails with EIO within the
     timeouts and the bytes stay staged (status lists them); once it is back, the retry loop
@@ -435,6 +444,7 @@ def test_remote_down_during_upload_keeps_the_bytes_then_commits_them(s3_server: 
             assert list((cache / "staging").iterdir()) == []
 
 
+@pytest.mark.mount
 def test_tar_into_a_new_directory_costs_one_put_per_file(s3_server: Any, tmp_path: Path) -> None:
     """A directory we just made is known empty, and our own commits keep its listing current,
     so extracting into it asks the remote nothing but the uploads themselves."""
@@ -483,6 +493,7 @@ def _wait_gone(pid: int, timeout: float) -> float:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.mount
 def test_sigterm_commits_files_still_open(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
     """systemd stops the daemon while a job still has a file open: the stop drains, so the
     bytes written so far are committed before the daemon exits."""
@@ -500,6 +511,7 @@ def test_sigterm_commits_files_still_open(request: pytest.FixtureRequest, tmp_pa
     assert not [p for p in (tmp_path / "cache/staging").iterdir()]
 
 
+@pytest.mark.mount
 def test_drain_timeout_bounds_the_stop_and_the_journal_keeps_the_bytes(s3_server: Any, tmp_path: Path) -> None:
     host, port = s3_server.endpoint.rsplit("/", 1)[1].split(":")
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
@@ -526,6 +538,7 @@ def test_drain_timeout_bounds_the_stop_and_the_journal_keeps_the_bytes(s3_server
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.mount
 def test_a_large_zip_written_through_the_mount(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
     """torch.save's pattern at checkpoint scale: a zip writer streams big members, then seeks
     back to patch each local header; the streamed upload must end up byte-exact."""
@@ -551,6 +564,7 @@ def test_a_large_zip_written_through_the_mount(request: pytest.FixtureRequest, t
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.core
 def test_commits_of_odd_names(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
     """Our own upload requests (not fsspec's) must encode names like fsspec does."""
     core, client, root = _core(request, backend, tmp_path)
