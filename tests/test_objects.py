@@ -89,6 +89,7 @@ def test_preconditions_per_store() -> None:
             getattr(wrong, method)()
 
 
+@pytest.mark.core
 def test_journals_keep_the_old_string_and_old_journals_replay(tmp_path: Path) -> None:
     remote = Remote(f"memory://objects-{uuid.uuid4().hex[:10]}")
     remote.fs.mkdir(remote.root)
@@ -111,6 +112,7 @@ def test_journals_keep_the_old_string_and_old_journals_replay(tmp_path: Path) ->
     assert remote.fs.cat_file(remote.full("k")) == b"new" and remote.fs.cat_file(remote.full("j")) == b"older journal"
 
 
+@pytest.mark.core
 def test_memory_remote_has_generations_and_enforces_preconditions(tmp_path: Path) -> None:
     """The in-memory fake keeps an object store's rules: a new generation per write (even one
     that keeps size and timestamp), and a commit replaces exactly the version it names."""
