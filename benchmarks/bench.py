@@ -658,7 +658,9 @@ def w_random(env: Env, d: Data, tool: str, rep: int) -> None:
             before = metrics(m)
             fd = os.open(m.path / "big.bin", os.O_RDONLY)
             try:
-                done, secs, cpu = run(lambda off: os.pread(fd, MiB, off), env.pids(m.pid))
+                # the reader is this process here: its CPU is the "reader" column
+                done, secs, cpu = run(lambda off: os.pread(fd, MiB, off), {**env.pids(m.pid), "self": os.getpid()})
+                cpu["reader"] = round(cpu.pop("self") + cpu["reader"], 3)
             except OSError as exc:
                 raise Failure(f"pread: {exc.strerror}") from None
             finally:
@@ -870,6 +872,48 @@ def rows_of(group: str, tool: str) -> list[str]:
     return rows
 
 
+def py_spy_cold_read(env: Env, d: Data, out: Path) -> dict[str, Any]:
+    """One more cold read of the SIZE object through marinfs, not measured, with ``py-spy record``
+    (100 Hz, idle threads left out, --nonblocking) on the daemon: where its CPU goes. Writes the
+    collapsed stacks to ``out`` and returns the top frames by self and by inclusive samples."""
+    if d.big is None:
+        raise Failure("--py-spy needs the seq row (its object)")
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if spy is None:
+        raise Failure("py-spy is not installed (pip install py-spy)")
+    size = d.big.stat().st_size
+    with mounted(env, "marinfs", "pyspy") as m:
+        drop_caches()
+        rec = subprocess.Popen([spy, "record", "--pid", str(m.pid), "--format", "raw", "--rate", "100",
+                                "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+        time.sleep(1.0)  # py-spy attaches
+        w = CpuWatch(env.pids(m.pid)).start()
+        dd(m.path / "big.bin", size)
+        secs, cpu = w.stop()
+        rec.send_signal(2)  # SIGINT: py-spy writes its output and exits
+        _, err = rec.communicate(timeout=60)
+    if not out.exists():
+        raise Failure(f"py-spy wrote nothing: {pb.one_line(err)}")
+    self_n: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        k = int(n)
+        total += k
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f
+                  for f in stack.split(";")]
+        self_n[frames[-1]] = self_n.get(frames[-1], 0) + k
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + k
+    top = lambda d_: [(f, round(100 * c / max(1, total), 1)) for f, c in sorted(d_.items(), key=lambda x: -x[1])[:25]]  # noqa: E731
+    return {"mib_s": round(size / MiB / secs, 1), "cpu": cpu, "samples": total, "file": str(out),
+            "top_self_pct": top(self_n), "top_inclusive_pct": top(incl)}
+
+
 # -- report ----------------------------------------------------------------------------------------
 def fmt(v: float | None, digits: int = 0) -> str:
     if v is None:
@@ -962,6 +1006,8 @@ def main() -> None:
     ap.add_argument("--marinfs-arg", action="append", default=[], help="extra `marinfs mount` argument "
                     "(repeatable, e.g. --marinfs-arg=--prefetch-workers=4)")
     ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json)")
+    ap.add_argument("--py-spy", action="store_true", help="after the rows, one more (unmeasured) cold read "
+                    "with py-spy recording the daemon; needs the seq row")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench: needs root (drop_caches, FUSE)")
@@ -1028,6 +1074,17 @@ def main() -> None:
                                 R.fail(row, tool, f"{type(exc).__name__}: {exc}")
                     print(f"  {g:11} rep {rep} {tool:10} {time.monotonic() - t0:6.1f} s", flush=True)
             env.seconds[g] = round(time.monotonic() - t_g, 1)
+        profile = None
+        if a.py_spy:
+            try:
+                profile = py_spy_cold_read(env, data, out_path.with_name(out_path.stem + "_pyspy.txt"))
+                print("\npy-spy, marinfs cold read (% of samples; self, then inclusive):")
+                for title in ("top_self_pct", "top_inclusive_pct"):
+                    print(f"  {title}:")
+                    for f, pct in profile[title]:
+                        print(f"    {pct:5.1f}%  {f}")
+            except (Failure, OSError, subprocess.SubprocessError) as exc:
+                R.notes.append(f"py-spy: FAIL {exc}")
         elapsed = round(time.monotonic() - t_start, 1)
         table = render(rows, R, bool(a.latency_ms))
         load_end = Path("/proc/loadavg").read_text().split()[:3]
@@ -1045,7 +1102,7 @@ def main() -> None:
                   "rows": [r.__dict__ for r in rows], "notes": R.notes, "failures": R.failures,
                   "samples": {row: {t: [s.__dict__ for s in ss] for t, ss in tools_.items()}
                               for row, tools_ in R.samples.items()},
-                  "table": table, "header": header}
+                  "table": table, "header": header, "py_spy": profile}
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n")
         out_path.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
