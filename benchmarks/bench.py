@@ -872,10 +872,12 @@ def rows_of(group: str, tool: str) -> list[str]:
     return rows
 
 
-def py_spy_cold_read(env: Env, d: Data, out: Path) -> dict[str, Any]:
+def py_spy_cold_read(env: Env, d: Data, out: Path, gil: bool = False) -> dict[str, Any]:
     """One more cold read of the SIZE object through marinfs, not measured, with ``py-spy record``
     (100 Hz, idle threads left out, --nonblocking) on the daemon: where its CPU goes. Writes the
-    collapsed stacks to ``out`` and returns the top frames by self and by inclusive samples."""
+    collapsed stacks to ``out`` and returns the top frames by self and by inclusive samples.
+    py-spy does not count a thread blocked in ``recv`` as idle, so socket reads include waiting;
+    ``gil`` keeps only the samples of the thread holding the GIL (Python's CPU)."""
     if d.big is None:
         raise Failure("--py-spy needs the seq row (its object)")
     spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -885,7 +887,7 @@ def py_spy_cold_read(env: Env, d: Data, out: Path) -> dict[str, Any]:
     with mounted(env, "marinfs", "pyspy") as m:
         drop_caches()
         rec = subprocess.Popen([spy, "record", "--pid", str(m.pid), "--format", "raw", "--rate", "100",
-                                "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
+                                "--nonblocking", *(["--gil"] if gil else []), "--output", str(out)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
         time.sleep(1.0)  # py-spy attaches
         w = CpuWatch(env.pids(m.pid)).start()
@@ -910,7 +912,7 @@ def py_spy_cold_read(env: Env, d: Data, out: Path) -> dict[str, Any]:
         for f in set(frames):
             incl[f] = incl.get(f, 0) + k
     top = lambda d_: [(f, round(100 * c / max(1, total), 1)) for f, c in sorted(d_.items(), key=lambda x: -x[1])[:25]]  # noqa: E731
-    return {"mib_s": round(size / MiB / secs, 1), "cpu": cpu, "samples": total, "file": str(out),
+    return {"mib_s": round(size / MiB / secs, 1), "cpu": cpu, "gil_only": gil, "samples": total, "file": str(out),
             "top_self_pct": top(self_n), "top_inclusive_pct": top(incl)}
 
 
@@ -1008,6 +1010,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json)")
     ap.add_argument("--py-spy", action="store_true", help="after the rows, one more (unmeasured) cold read "
                     "with py-spy recording the daemon; needs the seq row")
+    ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench: needs root (drop_caches, FUSE)")
@@ -1077,7 +1080,7 @@ def main() -> None:
         profile = None
         if a.py_spy:
             try:
-                profile = py_spy_cold_read(env, data, out_path.with_name(out_path.stem + "_pyspy.txt"))
+                profile = py_spy_cold_read(env, data, out_path.with_name(out_path.stem + "_pyspy.txt"), a.py_spy_gil)
                 print("\npy-spy, marinfs cold read (% of samples; self, then inclusive):")
                 for title in ("top_self_pct", "top_inclusive_pct"):
                     print(f"  {title}:")
