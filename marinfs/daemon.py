@@ -90,11 +90,8 @@ def stats_file(cache_dir: Path) -> Path:
 
 def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 - Filesystem
     """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600)."""
-    cache = fs.fetcher.cache
     data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-            "uptime_s": round(time.monotonic() - started, 1),
-            "cache": cache.snapshot() if cache else None, "remote_requests": fs.remote.stats.snapshot(),
-            "uploads": fs.upload_status()}
+            "uptime_s": round(time.monotonic() - started, 1), **fs.stats()}
     path = stats_file(cfg.cache_dir)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -181,13 +178,11 @@ def run_foreground(cfg: MountConfig) -> None:
     finally:
         stop.set()
         state.unlink(missing_ok=True)
-        fs.fetcher.close()
+        fs.close()
         try:
             write_stats(fs, cfg, time.monotonic())
         except OSError:
             pass
-        if fs.fetcher.cache is not None:
-            fs.fetcher.cache.close()
     log.info("unmounted %s", cfg.mountpoint)
     if not fs.drained:
         # Commits still hang on the remote; their journals are on disk. Do not let Python's

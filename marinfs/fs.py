@@ -1,9 +1,12 @@
 """The filesystem in plain Python types, usable and tested without FUSE.
 
 Paths are the FUSE adapter's absolute paths (``/a/b``); keys are the remote's relative ones
-(``a/b``). Every method raises an OSError subclass on failure; the adapter maps it to errno.
-Locking: ``_lock`` guards only the handle and staging tables and is never held across remote
-I/O; a staged file has its own lock.
+(``a/b``). A failure is an OSError (FsError, or the backend's FileNotFoundError,
+PermissionError...) or a MarinfsError (RemoteError after the retries, PreconditionFailed);
+``errors.errno_for`` turns either into an errno, EIO for anything else.
+Locking: ``_lock`` guards the tables of this mount's own state (open handles, staged files,
+failed commits, conflicts, the versions and mtimes we wrote) and is never held across remote
+I/O; a staged file has its own lock, and the caches below lock themselves.
 """
 
 from __future__ import annotations
@@ -98,6 +101,21 @@ class Filesystem:
         # Commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         self._next_fh = itertools.count(1)
+
+    # -- the daemon's view ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """What the daemon publishes (status file, metrics): chunk cache counters, remote
+        requests, pending and failed uploads."""
+        cache = self.fetcher.cache
+        return {"cache": cache.snapshot() if cache else None, "remote_requests": self.remote.stats.snapshot(),
+                "uploads": self.upload_status()}
+
+    def close(self) -> None:
+        """Once unmounted: stop the fetch workers (every fetched chunk reaches the disk first),
+        then release the chunk cache's lock, so the next daemon on this cache may take it."""
+        self.fetcher.close()
+        if self.fetcher.cache is not None:
+            self.fetcher.cache.close()
 
     # -- lookups -------------------------------------------------------------------------------
     def lookup(self, key: str) -> ObjectInfo:

@@ -40,7 +40,8 @@ class _LayerCollector(Collector):
         self.fs = fs
 
     def collect(self) -> Iterator[Metric]:
-        remote = self.fs.remote.stats.snapshot()
+        stats = self.fs.stats()
+        remote = stats["remote_requests"]
         requests = CounterMetricFamily("marinfs_remote_requests", "Remote requests by kind", labels=["kind"])
         for kind, n in sorted(remote["requests"].items()):
             requests.add_metric([kind], n)
@@ -55,9 +56,8 @@ class _LayerCollector(Collector):
         moved.add_metric(["in"], remote["bytes_in"])
         moved.add_metric(["out"], remote["bytes_out"])
         yield moved
-        cache = self.fs.fetcher.cache
-        if cache is not None:
-            snap = cache.snapshot()
+        snap = stats["cache"]
+        if snap is not None:
             for name in ("hits", "misses", "evictions", "corrupt", "write_failures"):
                 yield CounterMetricFamily(f"marinfs_cache_{name}", f"Chunk cache {name.replace('_', ' ')}",
                                           value=snap[name])
@@ -65,7 +65,7 @@ class _LayerCollector(Collector):
                                       value=snap["bytes_fetched"])
             yield GaugeMetricFamily("marinfs_cache_used_bytes", "Chunk cache size", value=snap["bytes_used"])
             yield GaugeMetricFamily("marinfs_cache_limit_bytes", "Chunk cache limit", value=snap["bytes_limit"])
-        uploads = self.fs.upload_status()
+        uploads = stats["uploads"]
         yield GaugeMetricFamily("marinfs_uploads_pending", "Open files with uncommitted bytes",
                                 value=len(uploads["pending"]))
         yield GaugeMetricFamily("marinfs_uploads_failed", "Failed commits whose bytes are kept",

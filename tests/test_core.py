@@ -562,3 +562,26 @@ def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, r
     put(remote, "a", b"newer!")  # ...so a change now is picked up, not answered with ESTALE
     assert fs.read(fh, 10, 0) == b"newer!"
     fs.release(fh)
+
+
+def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path) -> None:
+    """The daemon and the metrics read one snapshot from the filesystem, and close() releases
+    the chunk cache: the next daemon on the same cache directory may take it."""
+    from marinfs.chunkcache import ChunkCache
+    from marinfs.reader import ChunkFetcher
+
+    cache = ChunkCache(tmp_path / "cache", 64 << 20)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging",
+                    fetcher=ChunkFetcher(remote.read_range, cache, chunk_size=1 << 20))
+    put(remote, "f", b"x" * 3000)
+    fh = fs.open("/f", os.O_RDONLY)
+    assert fs.read(fh, 4096, 0) == b"x" * 3000
+    fs.release(fh)
+    stats = fs.stats()
+    assert stats["cache"]["misses"] == 1 and stats["cache"]["bytes_fetched"] == 3000
+    assert stats["remote_requests"]["bytes_in"] == 3000
+    assert stats["uploads"] == fs.upload_status()
+    with pytest.raises(UsageError):
+        ChunkCache(tmp_path / "cache", 64 << 20)  # this one still holds it
+    fs.close()
+    ChunkCache(tmp_path / "cache", 64 << 20).close()
