@@ -79,14 +79,15 @@ def secret_s3(s3_server: Any, tmp_path: Path) -> Iterator[tuple[str, dict[str, s
 @pytest.mark.mount
 def test_no_credentials_in_logs_errors_status_or_command_lines(secret_s3: tuple[str, dict[str, str], str],
                                                                s3_server: Any, tmp_path: Path) -> None:
-    url, env, env_secret = secret_s3
-    option_secret = "opt-secret-" + uuid.uuid4().hex
+    url, env, option_secret = secret_s3
+    env_secret = "env-secret-" + uuid.uuid4().hex  # an option wins over the environment
     env = {**env, "AWS_SECRET_ACCESS_KEY": env_secret}
     mnt, cache, log = tmp_path / "mnt", tmp_path / "cache", tmp_path / "daemon.log"
     mnt.mkdir()
     args = [*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache), "--log-file", str(log),
             "--log-level", "debug", "-o", f"key={s3_server.access_key}", "-o", f"secret={option_secret}"]
-    # SeaweedFS here checks no signatures: any secret works, so both can be tried.
+    # SeaweedFS checks signatures: the option holds the right secret, the environment a wrong one
+    # that must not be used, and neither may show anywhere.
     result = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
     seen: dict[str, str] = {"mount stdout/stderr": result.stdout + result.stderr}
     try:
