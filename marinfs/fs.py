@@ -112,10 +112,12 @@ class Filesystem:
 
     def close(self) -> None:
         """Once unmounted: stop the fetch workers (every fetched chunk reaches the disk first),
-        then release the chunk cache's lock, so the next daemon on this cache may take it."""
+        release the chunk cache's lock, so the next daemon on this cache may take it, and the
+        remote's threads and connections."""
         self.fetcher.close()
         if self.fetcher.cache is not None:
             self.fetcher.cache.close()
+        self.remote.close()
 
     # -- lookups -------------------------------------------------------------------------------
     def lookup(self, key: str) -> ObjectInfo:

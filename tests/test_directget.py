@@ -372,3 +372,32 @@ def test_a_refused_direct_request_falls_back_to_s3fs(s3_server: Any, tmp_path: A
     other = Remote(url, {**s3_server.storage_options(), "secret": "wrong"})
     with pytest.raises(PermissionError):
         other.read_range("f", 0, 4)
+
+
+def test_threads_that_ask_at_once_share_one_signing_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh mount's FUSE and fetch threads all ask for the signer at once: one builds it and
+    the others wait (each used to build its own, most of 8 cold readers' CPU)."""
+    from marinfs.remote.s3http import Presigner
+
+    built: list[str] = []
+
+    def slow_build(self: Presigner, bucket: str) -> object:
+        built.append(bucket)
+        time.sleep(0.2)
+        return object()
+
+    monkeypatch.setattr(Presigner, "_build", slow_build)
+    signer = Presigner(fs=None)
+    start = threading.Barrier(16)
+    got: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(signer._client("b"))
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert built == ["b"] and len(got) == 16 and len({id(c) for c in got}) == 1

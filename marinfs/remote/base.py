@@ -212,6 +212,14 @@ class Remote:
                                                         thread_name_prefix="marinfs-upload")
             return self._part_pool
 
+    def close(self) -> None:
+        """Release the upload threads and connections once nothing will be asked any more.
+        Never waits: after a drain timeout an upload may still hang on the network."""
+        with self._pool_lock:
+            pool, self._part_pool = self._part_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     # -- paths ---------------------------------------------------------------------------------
     def full(self, key: str) -> str:
         if not key:

@@ -75,6 +75,11 @@ class S3Remote(ObjectStoreRemote):
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
 
+    def close(self) -> None:
+        super().close()
+        if self._direct is not None:
+            self._direct.close()
+
     def _direct_first(self, kind: str, direct: Callable[[], T], sdk: Callable[[], T]) -> T:
         """One S3 request sent by us (``direct``), or through s3fs (``sdk``) once a server has
         refused ours (403) where s3fs's passes: a store that signs or checks differently from

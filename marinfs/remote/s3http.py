@@ -162,6 +162,10 @@ class DirectGet:
             if not token:
                 return entries
 
+    def close(self) -> None:
+        """Close the connections kept for reuse (a daemon ends, a test drops its remote)."""
+        self.pool.clear()
+
 
 def parse_listing(xml: bytes, bucket: str) -> tuple[list[dict[str, Any]], str | None]:
     """One ListObjectsV2 page: (entries like s3fs's, the continuation token or None).
@@ -206,6 +210,7 @@ class Presigner:
         self.fs = fs
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._building = threading.Lock()
 
     def url(self, full: str, expires: int, method: str, **params: Any) -> str:
         bucket, key, _ = self.fs.split_path(full)
@@ -230,14 +235,20 @@ class Presigner:
         with self._lock:
             if bucket in self._clients:
                 return self._clients[bucket]
-        client = None
-        try:
-            client = self._build(bucket)
-        except Exception as exc:  # noqa: BLE001 - s3fs signs instead
-            log.info("presigning through s3fs for %s: %s", bucket, exc)
-        with self._lock:
-            self._clients[bucket] = client
-        return client
+        # One build (tens of ms of botocore under the GIL): on a fresh mount every FUSE and
+        # fetch thread asks at once, and each used to build its own client.
+        with self._building:
+            with self._lock:
+                if bucket in self._clients:
+                    return self._clients[bucket]
+            client = None
+            try:
+                client = self._build(bucket)
+            except Exception as exc:  # noqa: BLE001 - s3fs signs instead
+                log.info("presigning through s3fs for %s: %s", bucket, exc)
+            with self._lock:
+                self._clients[bucket] = client
+            return client
 
     def _build(self, bucket: str) -> Any:
         import botocore.config
