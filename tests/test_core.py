@@ -585,3 +585,21 @@ def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path)
         ChunkCache(tmp_path / "cache", 64 << 20)  # this one still holds it
     fs.close()
     ChunkCache(tmp_path / "cache", 64 << 20).close()
+
+
+def test_an_unreachable_gcs_fails_within_our_retries_not_gcsfs_s() -> None:
+    """gcsfs retries each request 6 times with 31 s of sleeps between; ours is the one bounded
+    loop, so an unreachable GCS is EIO after our attempts, each request counted."""
+    import time
+
+    from marinfs.config import RemoteSettings
+    from servers import free_port
+
+    remote = Remote("gs://marin/p", {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon",
+                                     "project": "test"},
+                    RemoteSettings(attempts=3, connect_timeout=1, read_timeout=2))
+    started = time.monotonic()
+    with pytest.raises(RemoteError):
+        remote.stat("x")
+    assert time.monotonic() - started < 5
+    assert remote.stats.count("head") == 3
