@@ -4,39 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from marinfs.chunkcache import lock_holder
+from marinfs.chunkcache import disk_usage, lock_holder, stats_file, wipe
 from marinfs.errors import MarinfsError, UsageError
 from marinfs.mounts import live_mounts
 
 WARM_READ = 8 << 20
 
 
-def _disk_usage(cache_dir: Path) -> tuple[int, int]:
-    chunks = total = 0
-    root = cache_dir / "chunks"
-    if root.is_dir():
-        for sub in root.iterdir():
-            for path in sub.iterdir() if sub.is_dir() else ():
-                if not path.name.startswith("tmp"):
-                    chunks += 1
-                    total += path.stat().st_size
-    return chunks, total
-
-
 def stats(cache_dir: Path) -> dict:
     """The running daemon's counters when one uses ``cache_dir``, plus what is on disk."""
     if not cache_dir.is_dir():
         raise UsageError(f"{cache_dir} is not a marinfs cache directory")
-    chunks, used = _disk_usage(cache_dir)
+    chunks, used = disk_usage(cache_dir)
     pid = lock_holder(cache_dir)
     data: dict = {"cache_dir": str(cache_dir), "daemon_pid": pid, "chunks_on_disk": chunks,
                   "bytes_on_disk": used}
-    stats_path = cache_dir / "stats.json"
+    stats_path = stats_file(cache_dir)
     if stats_path.exists():
         published = json.loads(stats_path.read_text())
         data["live" if pid else "last_run"] = published
@@ -66,10 +53,7 @@ def clear(cache_dir: Path) -> int:
     pid = lock_holder(cache_dir)
     if pid:
         raise MarinfsError(f"{cache_dir} is in use by marinfs PID {pid}; unmount it first")
-    chunks, _ = _disk_usage(cache_dir)
-    shutil.rmtree(cache_dir / "chunks", ignore_errors=True)
-    (cache_dir / "stats.json").unlink(missing_ok=True)
-    return chunks
+    return wipe(cache_dir)
 
 
 def _files(paths: list[str]) -> list[Path]:

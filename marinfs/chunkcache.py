@@ -85,7 +85,7 @@ class ChunkCache:
 
     def __init__(self, cache_dir: Path, max_bytes: int, min_free_bytes: int = 0,
                  lock: bool = True) -> None:
-        self.dir = cache_dir / "chunks"
+        self.dir = chunks_dir(cache_dir)
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
         self.stats = CacheStats()
@@ -112,8 +112,8 @@ class ChunkCache:
                 continue
             for path in sub.iterdir():
                 name = path.name
-                if name.startswith("tmp"):
-                    path.unlink(missing_ok=True)  # a write that never finished
+                if _unfinished(name):
+                    path.unlink(missing_ok=True)
                     continue
                 try:
                     object_id, index, crc = name.rsplit("-", 2)
@@ -312,6 +312,47 @@ def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+# The cache directory's layout, in one place (the daemon, `marinfs cache` and `status` use it):
+# chunks/<2 hex>/<object id>-<index>-<crc>, staging/ (staged writes and journals, never a
+# cache: unsaved data), lock (the daemon's PID, flocked), stats.json (the daemon's counters).
+def chunks_dir(cache_dir: Path) -> Path:
+    return cache_dir / "chunks"
+
+
+def staging_dir(cache_dir: Path) -> Path:
+    return cache_dir / "staging"
+
+
+def stats_file(cache_dir: Path) -> Path:
+    return cache_dir / "stats.json"
+
+
+def _unfinished(name: str) -> bool:
+    return name.startswith("tmp")  # a chunk write that never finished (tempfile prefix)
+
+
+def disk_usage(cache_dir: Path) -> tuple[int, int]:
+    """(chunks, bytes) of the finished chunk files under ``cache_dir``, daemon or not."""
+    chunks = total = 0
+    root = chunks_dir(cache_dir)
+    if root.is_dir():
+        for sub in root.iterdir():
+            for path in sub.iterdir() if sub.is_dir() else ():
+                if not _unfinished(path.name):
+                    chunks += 1
+                    total += path.stat().st_size
+    return chunks, total
+
+
+def wipe(cache_dir: Path) -> int:
+    """Delete every chunk and the last run's counters (never the staging directory); answers
+    how many chunks there were. The caller makes sure no daemon uses the directory."""
+    chunks, _ = disk_usage(cache_dir)
+    shutil.rmtree(chunks_dir(cache_dir), ignore_errors=True)
+    stats_file(cache_dir).unlink(missing_ok=True)
+    return chunks
 
 
 def acquire_lock(cache_dir: Path) -> int:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from marinfs.chunkcache import staging_dir, stats_file
 from marinfs.config import SETTINGS, MountConfig
 from marinfs.errors import MountError, UsageError
 from marinfs.mounts import live_mounts
@@ -76,16 +77,12 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                            workers=cfg.prefetch_workers, memory_bytes=max(64 << 20, ahead))
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
-    fs = Filesystem(remote, staging_dir=cfg.cache_dir / "staging", metadata=metadata,
+    fs = Filesystem(remote, staging_dir=staging_dir(cfg.cache_dir), metadata=metadata,
                     read_only=cfg.read_only, fetcher=fetcher,
                     max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout,
                     list_prefetch=cfg.list_prefetch and remote.object_store)
     fs.recover_staged()  # what an earlier run staged but never committed
     return fs
-
-
-def stats_file(cache_dir: Path) -> Path:
-    return cache_dir / "stats.json"
 
 
 def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 - Filesystem

@@ -34,7 +34,7 @@ from marinfs.objects import ObjectInfo, ObjectVersion
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import Remote
 from marinfs.uploads import PartStream
-from marinfs.writer import StagedFile
+from marinfs.staging import StagedFile
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Filesystem:
         # Background listings (see listings.py): they pay off where a request costs milliseconds,
         # and only if the cache may keep what they fetch.
         keeps = self.metadata.ttl > 0 or self.metadata.list_ttl > 0
-        self.prefetch = ListingPrefetcher(remote, self.metadata) if list_prefetch and keeps else None
+        self.listings = ListingPrefetcher(remote, self.metadata) if list_prefetch and keeps else None
         self.staging_dir = staging_dir
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
@@ -129,8 +129,8 @@ class Filesystem:
             return info
         if self.metadata.is_missing(key) or self.metadata.listed_missing(key):
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
-        if self.prefetch is not None:
-            self.prefetch.note_miss(key)
+        if self.listings is not None:
+            self.listings.note_miss(key)
         try:
             info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
         except FileNotFoundError:
@@ -178,16 +178,16 @@ class Filesystem:
         if not self.lookup(key).is_dir:
             raise FsError(errno.ENOTDIR, key)
         children = self.metadata.get_listing(key)
-        if children is None and self.prefetch is not None:
-            children = self.prefetch.wait(key)
+        if children is None and self.listings is not None:
+            children = self.listings.wait(key)
         if children is None:
             token = self.metadata.begin_listing(key)
             try:
                 children = self.remote.list(key)
             finally:
                 self.metadata.end_listing(key, token, children)
-        if self.prefetch is not None:
-            self.prefetch.walked_into(key)
+        if self.listings is not None:
+            self.listings.walked_into(key)
         names = {posixpath.basename(c.name) for c in children}
         with self._lock:
             pending = [s for k, s in self._staged.items() if posixpath.dirname(k) == key]
@@ -645,8 +645,8 @@ class Filesystem:
     def close_all(self) -> None:
         """Release every handle (unmount): commits what can be committed within the drain
         timeout; what is left stays staged with its journal for the next start to commit."""
-        if self.prefetch is not None:
-            self.prefetch.close()  # nothing will read ahead any more
+        if self.listings is not None:
+            self.listings.close()  # nothing will read ahead any more
         worker = threading.Thread(target=self._close_all, name="marinfs-drain", daemon=True)
         worker.start()
         worker.join(self.drain_timeout)

@@ -1,6 +1,6 @@
 """Value types for objects and their versions; no backend is imported here.
 
-A version's string form (``str(version)``) is what journals (writer.py) and the chunk cache
+A version's string form (``str(version)``) is what journals (staging.py) and the chunk cache
 (chunkcache.py, which hashes it into file names) keep on disk, so it stays byte-identical to the
 strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS, and memory://),
 ``m<mtime_ns>:<size>[:i<inode>:c<ctime_ns>]`` (local disks, memory, other fsspec backends),

@@ -1,6 +1,6 @@
 """Commit what a previous daemon staged but never committed (crash, kill, failed upload).
 
-Every staged file with uncommitted bytes has a journal beside it (see writer.py): the remote,
+Every staged file with uncommitted bytes has a journal beside it (see staging.py): the remote,
 the key, and the version the writer started from. At start (and periodically for failed
 commits) each journal of this remote is replayed through marinfs.commit, the same rule as a
 close: if the object is still at that base version, the bytes are committed to the key; if
@@ -20,7 +20,7 @@ from pathlib import Path
 from marinfs.commit import commit_or_conflict, conflict_name, describe, is_permanent
 from marinfs.objects import ObjectVersion
 from marinfs.remote import Remote
-from marinfs.writer import JOURNAL_SUFFIX
+from marinfs.staging import JOURNAL_SUFFIX
 
 __all__ = ["Recovered", "conflict_name", "recover"]
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from marinfs.chunkcache import stats_file
 from marinfs.daemon import state_file
 from marinfs.errors import UsageError
 from marinfs.mounts import live_mounts
@@ -28,7 +29,7 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             item["pid"] = info.get("pid")
             if "settings" in info:  # what the daemon runs with, after file < env < flags
                 item["settings"] = info["settings"]
-            stats = Path(info.get("cache_dir", "")) / "stats.json"
+            stats = stats_file(Path(info.get("cache_dir", "")))
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())
                 if published.get("pid") == info.get("pid"):

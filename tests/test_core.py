@@ -17,7 +17,7 @@ from marinfs.errors import FsError, RemoteError, UsageError, errno_for
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
-from marinfs.writer import StagedFile
+from marinfs.staging import StagedFile
 import tiers
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from marinfs.remote.s3http import DirectGet
+from marinfs.remote.s3http import S3Http
 from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.remote import Remote
 from marinfs.objects import ABSENT
@@ -85,14 +85,14 @@ def server() -> Iterator[str]:
         httpd.server_close()
 
 
-def getter(base: str, signed: list[str], params: list[dict[str, Any]] | None = None) -> DirectGet:
+def getter(base: str, signed: list[str], params: list[dict[str, Any]] | None = None) -> S3Http:
     def presign(full: str, expires: int, method: str, **signed_params: Any) -> str:
         signed.append(full if method == "get_object" else f"{method} {full}")
         if params is not None:
             params.append(signed_params)
         return f"{base}/{full}?X-Amz-Signature={len(signed)}"
 
-    return DirectGet(presign, connect_timeout=1, read_timeout=0.5)
+    return S3Http(presign, connect_timeout=1, read_timeout=0.5)
 
 
 def direct_and_plain(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Remote, Remote]:
@@ -291,7 +291,7 @@ def test_parts_are_signed_per_part_and_carry_their_md5(server: str) -> None:
         calls.append((method, full, params))
         return f"{server}/{full}?partNumber={params.get('PartNumber')}"
 
-    g = DirectGet(presign, connect_timeout=1, read_timeout=0.5)
+    g = S3Http(presign, connect_timeout=1, read_timeout=0.5)
     assert g.put_part("b/k", "up-1", 3, b"abcd") == '"etag-of-4"'
     md5 = base64.b64encode(hashlib.md5(b"abcd").digest()).decode()
     assert calls == [("upload_part", "b/k", {"UploadId": "up-1", "PartNumber": 3, "ContentMD5": md5})]

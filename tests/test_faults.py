@@ -31,7 +31,7 @@ from marinfs.config import RemoteSettings
 from marinfs.errors import StaleVersionError
 from marinfs.recovery import recover
 from marinfs.remote import Remote
-from marinfs.writer import JOURNAL_SUFFIX
+from marinfs.staging import JOURNAL_SUFFIX
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
 import tiers
 
@@ -390,7 +390,7 @@ def test_a_new_version_with_the_old_size_and_mtime_is_never_served_stale(tmp_pat
 def test_conflict_copies_never_overwrite_each_other(tmp_path: Path) -> None:
     """Two kept commits of one key that both clash are committed in the same second (a clock
     jump back makes that likelier): each must keep its own bytes."""
-    from marinfs.writer import StagedFile
+    from marinfs.staging import StagedFile
 
     remote = Remote(f"memory://conflicts-{uuid.uuid4().hex[:8]}")
     remote.fs.mkdir(remote.root)

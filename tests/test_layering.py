@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics"},
     {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit"},
-    {"config", "cachecli", "reader", "writer"},
+    {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http"},
     {"remote.s3", "remote.gcs"},

@@ -57,8 +57,8 @@ def test_stats_of_many_children_are_answered_from_one_background_listing(
     remote.stats.reset()
     for i in range(200):
         assert fs.getattr(f"/d/f{i:03d}").size == i % 5
-        if i == 2 and fs.prefetch is not None:
-            fs.prefetch.drain()  # the third miss started the listing: let it land
+        if i == 2 and fs.listings is not None:
+            fs.listings.drain()  # the third miss started the listing: let it land
     with pytest.raises(FileNotFoundError):
         fs.getattr("/d/nope")  # the listing says it does not exist: no request
     heads, lists = remote.stats.count("head"), remote.stats.count("list")
@@ -79,8 +79,8 @@ def test_a_poll_of_one_file_never_lists_its_directory(remote: Remote, tmp_path: 
     for _ in range(10):
         now[0] += 6  # the stat expired: each poll is a miss, always of the same name
         fs.getattr("/d/f07")
-    assert fs.prefetch is not None
-    fs.prefetch.drain()
+    assert fs.listings is not None
+    fs.listings.drain()
     assert (remote.stats.count("head"), remote.stats.count("list")) == (10, 0)
 
 
@@ -90,8 +90,8 @@ def test_a_walk_lists_every_directory_once_and_ahead_of_the_walker(remote: Remot
         put(remote, f"t/arrays/a{i:03d}/c.1")
     fs = core(remote, tmp_path)
     calls = listed_keys(remote)
-    assert fs.prefetch is not None
-    fs.prefetch.ahead = 10
+    assert fs.listings is not None
+    fs.listings.ahead = 10
 
     def walk(path: str) -> int:
         files = 0
@@ -104,20 +104,20 @@ def test_a_walk_lists_every_directory_once_and_ahead_of_the_walker(remote: Remot
 
     # A readdir alone is not a walk: a poll of one directory lists nothing ahead.
     order = [c.name for c in fs.readdir("/t/arrays")]  # a walker's order (local: unsorted)
-    fs.prefetch.drain()
+    fs.listings.drain()
     assert sum(calls.values()) == 1
     # The walker reaches the first: the next `ahead` of its siblings are listed in the background.
     fs.readdir("/" + order[0])
-    fs.prefetch.drain()
+    fs.listings.drain()
     assert [fs.metadata.has_listing(k) for k in order[1:11]] == [True] * 10
     assert not fs.metadata.has_listing(order[11])
     # Reading a directory again is no walk: nothing more is listed ahead.
     fs.readdir("/" + order[0])
-    fs.prefetch.drain()
+    fs.listings.drain()
     assert not fs.metadata.has_listing(order[11])
     # Each directory it reaches lists one more; nothing is listed twice.
     assert walk("/t") == 200
-    fs.prefetch.drain()
+    fs.listings.drain()
     assert set(calls) == {"t", "t/arrays"} | {f"t/arrays/a{i:03d}" for i in range(100)}
     assert set(calls.values()) == {1}, {k: n for k, n in calls.items() if n > 1}
 
@@ -180,8 +180,8 @@ def test_a_listing_overtaken_by_our_own_change_is_dropped(
     assert blocked.started.wait(10)  # listed before the change, answered after it
     change(fs)
     blocked.release()
-    assert fs.prefetch is not None
-    fs.prefetch.drain()
+    assert fs.listings is not None
+    fs.listings.drain()
     expected = {os.path.basename(k) for k in remote.fs.ls(remote.full("d"), detail=False)}
     assert {os.path.basename(c.name) for c in fs.readdir("/d")} == expected
     for name in ("f0", "f1", "new", "sub"):
@@ -221,8 +221,8 @@ def test_a_failed_background_listing_is_ignored(remote: Remote, tmp_path: Path) 
     start_background_listing(fs, "d")
     assert blocked.started.wait(10)
     blocked.release()
-    assert fs.prefetch is not None
-    fs.prefetch.drain()
+    assert fs.listings is not None
+    fs.listings.drain()
     assert not fs.metadata.has_listing("d")
     assert fs.getattr("/d/f0").size == 1  # lookups go on with HEADs
     with pytest.raises(OSError, check=lambda e: e.errno == errno.ENOENT):

@@ -304,7 +304,7 @@ def test_stat_of_many_files_costs_a_few_heads_and_one_listing(prefetching: Store
     store.reset()
     for i in range(3):  # the third lookup that misses starts a background listing of d
         assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
-    store.core.prefetch.drain()
+    store.core.listings.drain()
     for i in range(3, 1500, 3):
         assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
     assert store.counts() == {"head": 3, "list": 2}, store.counts()  # ceil(1500 / 1000) pages
@@ -317,7 +317,7 @@ def test_find_lists_every_directory_once_mostly_ahead_of_it(prefetching: Store) 
     store.reset()
     os.listdir(store.mnt / "ckpt")
     os.listdir(store.mnt / "ckpt/a00")  # a walker descends: a01..a29 are listed in the background
-    store.core.prefetch.drain()
+    store.core.listings.drain()
     assert store.counts() == {"list": 31}, store.counts()
     out = subprocess.run(["find", str(store.mnt / "ckpt"), "-type", "f"], capture_output=True, text=True,
                          check=True)

@@ -17,7 +17,7 @@ from marinfs.objects import ABSENT, ObjectRef, ObjectVersion
 from marinfs.recovery import recover
 from marinfs.remote import Remote
 from marinfs.remote.base import version_of
-from marinfs.writer import JOURNAL_SUFFIX, StagedFile
+from marinfs.staging import JOURNAL_SUFFIX, StagedFile
 
 # Every form a version string had before ObjectVersion existed, with its kind.
 OLD_FORMS = [

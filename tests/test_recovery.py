@@ -18,7 +18,7 @@ from marinfs.fs import Filesystem
 from marinfs.recovery import recover
 from marinfs.remote import Remote
 from marinfs.status import format_failed
-from marinfs.writer import JOURNAL_SUFFIX, StagedFile
+from marinfs.staging import JOURNAL_SUFFIX, StagedFile
 from mounting import force_unmount, subprocess_mount
 import tiers
 

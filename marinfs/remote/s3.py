@@ -21,7 +21,7 @@ from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, s3_match
 from marinfs.remote.base import _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
-from marinfs.remote.s3http import DirectGet, Presigner
+from marinfs.remote.s3http import Presigner, S3Http
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class S3Remote(ObjectStoreRemote):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)
         self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
-        self._direct = self._direct_get()
+        self._direct = self._direct_http()
         self._direct_refused = False  # set once a server refuses our own requests but not s3fs's
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
@@ -60,7 +60,7 @@ class S3Remote(ObjectStoreRemote):
         client.meta.events.register("before-send.s3", before_send)
         return True
 
-    def _direct_get(self) -> DirectGet | None:
+    def _direct_http(self) -> S3Http | None:
         """Ranged GETs on plain threads (see s3http.py), unless s3fs adds request options a
         presigned URL cannot carry (requester pays, SSE-C) or MARINFS_DIRECT_GET=0."""
         if os.environ.get("MARINFS_DIRECT_GET", "1") == "0" or self.fs.req_kw or self.fs.s3_additional_kwargs:
@@ -70,7 +70,7 @@ class S3Remote(ObjectStoreRemote):
         if verify is None:
             verify = os.environ.get("AWS_CA_BUNDLE") or True
         self._presigner = Presigner(self.fs)
-        return DirectGet(self._presigner.url,
+        return S3Http(self._presigner.url,
                          connect_timeout=float(config.get("connect_timeout", self.settings.connect_timeout)),
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)

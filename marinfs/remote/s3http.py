@@ -44,7 +44,10 @@ REUSE_SECONDS = 1800  # a cached URL is replaced long before it expires
 _HEADER = {"IfMatch": "If-Match", "IfNoneMatch": "If-None-Match"}  # botocore parameter -> HTTP header
 
 
-class DirectGet:
+class S3Http:
+    """S3's data and listing requests sent by us: ranged GET, PUT, upload part, ListObjectsV2,
+    each a presigned URL over one urllib3 pool, answers mapped to the errors marinfs expects."""
+
     def __init__(self, presign: Callable[..., str], connect_timeout: float, read_timeout: float,
                  verify: bool | str = True, max_connections: int = 16) -> None:
         self._presign = presign
