@@ -11,6 +11,7 @@ I/O; a staged file has its own lock, and the caches below lock themselves.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import logging
@@ -39,6 +40,22 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 ROOT = ObjectInfo(name="", is_dir=True)
+
+# fallocate(2) modes (linux/falloc.h): only plain allocation and KEEP_SIZE have a meaning for
+# a file that is uploaded whole; holes and ranges would need the object's layout.
+FALLOC_FL_KEEP_SIZE = 0x01
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def reserve(fd: int, offset: int, length: int) -> None:
+    """Reserve disk blocks for ``fd``'s range without changing its size, so a full staging
+    disk fails the fallocate (ENOSPC) rather than a later write. A staging disk that cannot
+    reserve (EOPNOTSUPP) is no error: the commit uploads the same bytes either way."""
+    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EOPNOTSUPP:
+            raise OSError(code, os.strerror(code))
 
 
 @dataclass
@@ -515,6 +532,24 @@ class Filesystem:
             self._commit(staged)
         finally:
             self._release_staged(staged)
+
+    def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on a file open for writing, applied to its staged file: mode 0 reserves
+        and extends the size like ext4 (zeros, committed at close); KEEP_SIZE only reserves.
+        Punching holes, zeroing or collapsing ranges: EOPNOTSUPP (the object is uploaded whole;
+        a hole is just zeros to write). Read-only handle: EBADF, as ext4 (the kernel checks that
+        itself before it reaches us)."""
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        staged = self._handle(fh).staged
+        if staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        with staged.lock:
+            reserve(staged.fd, offset, length)  # ENOSPC here changes nothing
+            if not mode & FALLOC_FL_KEEP_SIZE and offset + length > staged.known_size():
+                staged.truncate(offset + length)  # the new bytes are zeros, as on ext4
 
     # -- namespace -----------------------------------------------------------------------------
     def unlink(self, path: str) -> None:

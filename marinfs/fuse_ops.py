@@ -173,6 +173,11 @@ class FuseAdapter(fuse.Operations):
         return 0
 
     @_errors
+    def fallocate(self, path: str | None, mode: int, offset: int, size: int, fi: Any) -> int:
+        self.fs.fallocate(fi.fh, mode, offset, size)
+        return 0
+
+    @_errors
     def flush(self, path: str, fi: Any) -> int:
         self.fs.flush(fi.fh)
         return 0

@@ -1,0 +1,171 @@
+"""Calls beyond plain bytes (issue 16, the part that needs no object metadata): fallocate,
+extended attributes, mknod/mkfifo, hard links, and the kernel's permission checks.
+
+Core tests call ``Filesystem`` as the adapter does; mount tests run the real tools on every
+backend through the ``mounted`` fixture and check the bytes in the remote through fsspec.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import marinfs.fs as fs_module
+from marinfs.fs import FALLOC_FL_KEEP_SIZE, Filesystem
+from marinfs.remote import Remote
+from mounting import Mounted
+import tiers
+
+MiB = 1 << 20
+CREAT = os.O_CREAT | os.O_WRONLY
+FALLOC_FL_PUNCH_HOLE, FALLOC_FL_COLLAPSE_RANGE, FALLOC_FL_ZERO_RANGE = 0x02, 0x08, 0x10
+
+
+def raises_errno(code: int) -> AbstractContextManager[Any]:
+    return pytest.raises(OSError, check=lambda e: e.errno == code)
+
+
+@pytest.fixture
+@tiers.needs("core")
+def fs(remote: Remote, tmp_path: Path) -> Filesystem:
+    return Filesystem(remote, staging_dir=tmp_path / "staging")
+
+
+def put(remote: Remote, key: str, data: bytes) -> None:
+    parent = os.path.dirname(key)
+    if parent:
+        remote.fs.makedirs(remote.full(parent), exist_ok=True)
+    remote.fs.pipe_file(remote.full(key), data)
+
+
+def cat(remote: Remote, key: str) -> bytes:
+    return bytes(remote.fs.cat_file(remote.full(key)))
+
+
+def close(fs: Filesystem, fh: int) -> None:
+    fs.flush(fh)
+    fs.release(fh)
+
+
+def staged_fd(fs: Filesystem, fh: int) -> int:
+    staged = fs._handle(fh).staged
+    assert staged is not None
+    return staged.fd
+
+
+# -- fallocate (core) --------------------------------------------------------------------------
+def test_fallocate_extends_a_staged_file_with_zeros_committed_at_close(fs: Filesystem, remote: Remote) -> None:
+    fh = fs.create("/new.bin", CREAT)
+    fs.write(fh, b"abc", 0)
+    fs.fallocate(fh, 0, 0, MiB)
+    assert fs.handle_info(fh).size == MiB and fs.getattr("/new.bin").size == MiB
+    assert os.fstat(staged_fd(fs, fh)).st_blocks * 512 >= MiB  # the blocks are reserved, not a hole
+    close(fs, fh)
+    assert cat(remote, "new.bin") == b"abc" + bytes(MiB - 3)
+
+    # An existing object opened without O_TRUNC: its old bytes, then zeros up to the new end.
+    put(remote, "old.bin", b"0123456789")
+    fh = fs.open("/old.bin", os.O_RDWR)
+    fs.fallocate(fh, 0, 5, 20)
+    assert fs.handle_info(fh).size == 25
+    close(fs, fh)
+    assert cat(remote, "old.bin") == b"0123456789" + bytes(15)
+
+
+def test_fallocate_keep_size_and_inside_the_file_change_nothing(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f.bin", b"hello")
+    before = remote.stat("f.bin").version
+    fh = fs.open("/f.bin", os.O_WRONLY)
+    fs.fallocate(fh, FALLOC_FL_KEEP_SIZE, 0, MiB)
+    fs.fallocate(fh, 0, 0, 5)  # mode 0 inside the file: blocks, no new bytes
+    assert fs.handle_info(fh).size == 5
+    assert os.fstat(staged_fd(fs, fh)).st_blocks * 512 >= MiB
+    close(fs, fh)
+    assert cat(remote, "f.bin") == b"hello"
+    assert remote.stat("f.bin").version == before  # nothing changed: nothing was committed
+
+
+def test_fallocate_refuses_holes_ranges_and_read_only_handles(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f.bin", b"hello")
+    fh = fs.open("/f.bin", os.O_RDWR)
+    for mode in (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE, FALLOC_FL_COLLAPSE_RANGE):
+        with raises_errno(errno.EOPNOTSUPP):
+            fs.fallocate(fh, mode, 0, 4096)
+    with raises_errno(errno.EINVAL):
+        fs.fallocate(fh, 0, 0, 0)
+    close(fs, fh)
+    reader = fs.open("/f.bin", os.O_RDONLY)
+    with raises_errno(errno.EBADF):
+        fs.fallocate(reader, 0, 0, 4096)
+    fs.release(reader)
+    assert cat(remote, "f.bin") == b"hello"
+
+
+def test_fallocate_that_finds_no_space_changes_nothing(fs: Filesystem, remote: Remote,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC from the staging disk fails the call before the size moves, and the file still
+    commits what was written: a failed reservation loses no bytes (unlike a failed write)."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fh = fs.create("/f.bin", CREAT)
+    fs.write(fh, b"abc", 0)
+    monkeypatch.setattr(fs_module, "reserve", full)
+    with raises_errno(errno.ENOSPC):
+        fs.fallocate(fh, 0, 0, MiB)
+    assert fs.handle_info(fh).size == 3
+    close(fs, fh)
+    assert cat(remote, "f.bin") == b"abc"
+
+
+# -- through the mount, on every backend -------------------------------------------------------
+def sh(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{args} failed: {result.stderr}"
+    return result
+
+
+def test_fallocate_through_the_mount(mounted: Mounted) -> None:
+    m = mounted.mnt
+    sh("fallocate", "-l", "1M", str(m / "f"))
+    assert sh("stat", "-c", "%s", str(m / "f")).stdout.strip() == str(MiB)
+    assert mounted.remote_bytes("f") == bytes(MiB)
+
+    (m / "g").write_bytes(b"abc")
+    sh("fallocate", "-n", "-l", "1M", str(m / "g"))  # KEEP_SIZE: reserved, not longer
+    assert sh("stat", "-c", "%s", str(m / "g")).stdout.strip() == "3"
+    assert mounted.remote_bytes("g") == b"abc"
+    sh("fallocate", "-o", "2", "-l", "10", str(m / "g"))  # past the end: zeros, like ext4
+    assert (m / "g").read_bytes() == b"abc" + bytes(9)
+    assert mounted.remote_bytes("g") == b"abc" + bytes(9)
+
+    for flag in ("-p", "-z", "-c"):  # punch hole, zero range, collapse range
+        result = subprocess.run(["fallocate", flag, "-o", "0", "-l", "4096", str(m / "f")],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0, flag
+    fd = os.open(m / "g", os.O_RDONLY)
+    try:
+        with raises_errno(errno.EBADF):
+            os.posix_fallocate(fd, 0, MiB)
+    finally:
+        os.close(fd)
+    assert mounted.remote_bytes("f") == bytes(MiB) and mounted.remote_bytes("g") == b"abc" + bytes(9)
+
+    # Preallocate, then fill (downloaders do): the size is known before the bytes, and parts
+    # the streamer sent while they were still zeros are sent again (S3) or the file whole (GCS).
+    data = os.urandom(20 * MiB + 5)
+    fd = os.open(m / "pre", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.posix_fallocate(fd, 0, len(data))
+        assert os.fstat(fd).st_size == len(data)
+        for offset in range(0, len(data), MiB):
+            os.pwrite(fd, data[offset:offset + MiB], offset)
+    finally:
+        os.close(fd)
+    assert mounted.remote_bytes("pre") == data
