@@ -44,6 +44,10 @@ ROOT = ObjectInfo(name="", is_dir=True)
 # fallocate(2) modes (linux/falloc.h): only plain allocation and KEEP_SIZE have a meaning for
 # a file that is uploaded whole; holes and ranges would need the object's layout.
 FALLOC_FL_KEEP_SIZE = 0x01
+# Read-only attributes that tell a tool outside Python where a file lives and which version a
+# read pins. Other user.* attributes cannot be stored yet (that needs object metadata).
+XATTR_URL = "user.marinfs.url"
+XATTR_VERSION = "user.marinfs.version"
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -226,6 +230,47 @@ class Filesystem:
     def set_attributes(self, path: str) -> None:
         """chmod/chown/utimens: accepted so ``cp -p`` and ``rsync -a`` work; nothing is stored."""
         self.lookup(key_of(path))
+
+    # -- extended attributes -------------------------------------------------------------------
+    # As a local filesystem without stored attributes answers: nothing to get or list in the
+    # kernel's namespaces (security.*, system.*: ENODATA), nothing settable (ENOTSUP), never
+    # EIO. getxattr of a name that is not ours sends no request: the kernel asks for
+    # security.capability before every write(2).
+    def getxattr(self, path: str, name: str) -> bytes:
+        if name == XATTR_URL:
+            return self._url_of(key_of(path)).encode()
+        if name == XATTR_VERSION:
+            info = self.lookup(key_of(path))
+            if not info.is_dir and info.version is not None:
+                return info.version.encode()
+        raise FsError(errno.ENODATA, name)
+
+    def listxattr(self, path: str) -> list[str]:
+        """Nothing: ours are read by name only, as CephFS's virtual ``ceph.*`` attributes are.
+        Listed, ``cp -a``, ``rsync -X`` and ``tar --xattrs`` would copy them: out of the mount
+        onto files they are false for, and into a mount where setting them fails (``rsync -aX``
+        between two mounts exits 23)."""
+        self.lookup(key_of(path))
+        return []
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        self._writable()
+        self.lookup(key_of(path))
+        if name in (XATTR_URL, XATTR_VERSION):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENOTSUP, f"{name}: extended attributes are not stored")
+
+    def removexattr(self, path: str, name: str) -> None:
+        self._writable()
+        self.lookup(key_of(path))
+        if name in (XATTR_URL, XATTR_VERSION):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENODATA, name)
+
+    def _url_of(self, key: str) -> str:
+        """Where ``key`` lives: the remote URL, then ``/key`` (checks that it exists)."""
+        self.lookup(key)
+        return f"{self.remote.url.rstrip('/')}/{key}" if key else self.remote.url
 
     # -- open files ----------------------------------------------------------------------------
     def _acquire_staged(self, key: str, info: ObjectInfo | None, truncate: bool) -> StagedFile:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 import marinfs.fs as fs_module
-from marinfs.fs import FALLOC_FL_KEEP_SIZE, Filesystem
+from marinfs.fs import FALLOC_FL_KEEP_SIZE, XATTR_URL, XATTR_VERSION, Filesystem
 from marinfs.remote import Remote
 from mounting import Mounted
 import tiers
@@ -25,6 +26,8 @@ import tiers
 MiB = 1 << 20
 CREAT = os.O_CREAT | os.O_WRONLY
 FALLOC_FL_PUNCH_HOLE, FALLOC_FL_COLLAPSE_RANGE, FALLOC_FL_ZERO_RANGE = 0x02, 0x08, 0x10
+KERNEL_NAMES = ("security.selinux", "security.capability", "system.posix_acl_access",
+                "system.posix_acl_default", "trusted.overlay.opaque")
 
 
 def raises_errno(code: int) -> AbstractContextManager[Any]:
@@ -124,6 +127,61 @@ def test_fallocate_that_finds_no_space_changes_nothing(fs: Filesystem, remote: R
     assert cat(remote, "f.bin") == b"abc"
 
 
+# -- extended attributes (core) ----------------------------------------------------------------
+def test_xattrs_name_the_object_and_its_version(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "d/f.bin", b"data")
+    url = f"{remote.url}/d/f.bin"
+    assert fs.getxattr("/d/f.bin", XATTR_URL) == url.encode()
+    assert fs.getxattr("/d/f.bin", XATTR_VERSION) == remote.stat("d/f.bin").version.encode()
+    assert fs.listxattr("/d/f.bin") == []  # read by name only (see fs.listxattr)
+    assert fs.getxattr("/d", XATTR_URL) == f"{remote.url}/d".encode()
+    assert fs.getxattr("/", XATTR_URL) == remote.url.encode()
+    assert fs.listxattr("/d") == [] and fs.listxattr("/") == []
+    with raises_errno(errno.ENODATA):
+        fs.getxattr("/d", XATTR_VERSION)  # directories have no version
+    for name in (*KERNEL_NAMES, "user.other"):
+        with raises_errno(errno.ENODATA):
+            fs.getxattr("/d/f.bin", name)
+    with raises_errno(errno.ENOENT):
+        fs.getxattr("/missing", XATTR_URL)
+    with raises_errno(errno.ENOENT):
+        fs.listxattr("/missing")
+
+
+def test_a_file_with_uncommitted_bytes_has_no_version_until_its_close(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "f.bin", b"old")
+    old = remote.stat("f.bin").version
+    fh = fs.open("/f.bin", os.O_WRONLY | os.O_TRUNC)
+    fs.write(fh, b"new bytes", 0)
+    with raises_errno(errno.ENODATA):
+        fs.getxattr("/f.bin", XATTR_VERSION)
+    close(fs, fh)
+    new = fs.getxattr("/f.bin", XATTR_VERSION).decode()
+    assert new == remote.stat("f.bin").version and new != old
+
+
+def test_xattrs_cannot_be_set_or_removed(fs: Filesystem, remote: Remote, tmp_path: Path) -> None:
+    put(remote, "f.bin", b"data")
+    for name in (XATTR_URL, XATTR_VERSION):
+        with raises_errno(errno.EPERM):
+            fs.setxattr("/f.bin", name, b"s3://elsewhere")
+        with raises_errno(errno.EPERM):
+            fs.removexattr("/f.bin", name)
+    for name in (*KERNEL_NAMES, "user.checksum"):
+        with raises_errno(errno.ENOTSUP):
+            fs.setxattr("/f.bin", name, b"v")
+        with raises_errno(errno.ENODATA):
+            fs.removexattr("/f.bin", name)
+    with raises_errno(errno.ENOENT):
+        fs.setxattr("/missing", "user.checksum", b"v")
+    assert fs.getxattr("/f.bin", XATTR_URL) == f"{remote.url}/f.bin".encode()
+    read_only = Filesystem(remote, staging_dir=tmp_path / "ro-staging", read_only=True)
+    with raises_errno(errno.EROFS):
+        read_only.setxattr("/f.bin", "user.checksum", b"v")
+    with raises_errno(errno.EROFS):
+        read_only.removexattr("/f.bin", XATTR_URL)
+
+
 # -- through the mount, on every backend -------------------------------------------------------
 def sh(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -169,3 +227,75 @@ def test_fallocate_through_the_mount(mounted: Mounted) -> None:
     finally:
         os.close(fd)
     assert mounted.remote_bytes("pre") == data
+
+
+def expected_version(mounted: Mounted, rel: str) -> str:
+    """The version marinfs pins, from the store's own metadata: GCS generation, S3 ETag, else
+    mtime and size."""
+    info = mounted.fs.info(mounted.remote_path(rel))
+    if info.get("generation"):
+        return f"g{info['generation']}"
+    if info.get("ETag") or info.get("etag"):
+        return "e" + str(info.get("ETag") or info.get("etag")).strip('"')
+    return ""
+
+
+def test_xattrs_through_the_mount(mounted: Mounted) -> None:
+    m = mounted.mnt
+    (m / "d").mkdir()
+    (m / "d/f").write_bytes(b"one")
+    for name in KERNEL_NAMES:
+        with raises_errno(errno.ENODATA):
+            os.getxattr(m / "d/f", name)
+    assert os.getxattr(m / "d/f", XATTR_URL).decode() == f"{mounted.url}/d/f"
+    assert os.getxattr(m / "d", XATTR_URL).decode() == f"{mounted.url}/d"
+    assert os.listxattr(m / "d/f") == [] and os.listxattr(m / "d") == []
+
+    first = os.getxattr(m / "d/f", XATTR_VERSION).decode()
+    (m / "d/f").write_bytes(b"two, longer")
+    second = os.getxattr(m / "d/f", XATTR_VERSION).decode()
+    assert second != first
+    want = expected_version(mounted, "d/f")
+    if want:  # S3, GCS: the store's own version
+        assert second == want
+    else:  # local, memory: mtime and size
+        assert second.startswith("m") and ":11" in second
+    assert mounted.remote_bytes("d/f") == b"two, longer"
+
+    with raises_errno(errno.EPERM):
+        os.setxattr(m / "d/f", XATTR_URL, b"gs://elsewhere/x")
+    with raises_errno(errno.EPERM):
+        os.removexattr(m / "d/f", XATTR_VERSION)
+    for name in ("user.checksum", "security.selinux", "trusted.x"):
+        with raises_errno(errno.ENOTSUP):
+            os.setxattr(m / "d/f", name, b"v")
+    # A well-formed ACL (version 2; user::rw- group::r-- other::r--) gets past the kernel's parser.
+    acl = (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + (0xFFFFFFFF).to_bytes(4, "little")
+        for tag, perm in ((0x01, 6), (0x04, 4), (0x20, 4)))
+    with raises_errno(errno.ENOTSUP):
+        os.setxattr(m / "d/f", "system.posix_acl_access", acl)
+    with raises_errno(errno.ENODATA):
+        os.removexattr(m / "d/f", "user.checksum")
+    assert os.getxattr(m / "d/f", XATTR_URL).decode() == f"{mounted.url}/d/f"
+
+
+def test_cp_a_rsync_x_and_tar_xattrs_copy_no_attributes(mounted: Mounted, tmp_path: Path) -> None:
+    """The read-only attributes are not listed: copies out of the mount do not carry a URL
+    that is false for them, and copies between mounts do not fail to set one."""
+    m = mounted.mnt
+    (m / "f").write_bytes(b"x")
+    sh("cp", "-a", str(m / "f"), str(tmp_path / "copy"))
+    assert os.listxattr(tmp_path / "copy") == []
+    sh("cp", "-a", str(m / "f"), str(m / "cp-a"))
+    assert sh("rsync", "-aX", str(m / "f"), str(m / "rsync-ax")).stderr == ""
+    out = sh("tar", "--xattrs", "-cf", str(tmp_path / "x.tar"), "-C", str(m), "f")
+    assert out.stderr == ""  # no "Cannot flistxattr: Operation not supported"
+    (m / "untar").mkdir()
+    assert sh("tar", "--xattrs", "-xf", str(tmp_path / "x.tar"), "-C", str(m / "untar")).stderr == ""
+    for rel in ("cp-a", "rsync-ax", "untar/f"):
+        assert mounted.remote_bytes(rel) == b"x", rel
+    if shutil.which("getfattr"):  # package attr
+        assert sh("getfattr", "-d", "-m", "-", str(m / "f")).stdout == ""
+        value = sh("getfattr", "--only-values", "-n", XATTR_URL, str(m / "f")).stdout
+        assert value == f"{mounted.url}/f"
