@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import posixpath
+import stat
 import threading
 import time
 from collections import deque
@@ -449,6 +450,22 @@ class Filesystem:
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         staged = self._acquire_staged(key, None, truncate=False)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
+
+    def mknod(self, path: str, mode: int) -> None:
+        """mknod(2): a regular file is an empty object, made as create + close make it. Fifos,
+        sockets and devices cannot be objects: EPERM, what the kernel answers for a
+        filesystem without them (vfat), so mkfifo and bind() fail cleanly and leave nothing."""
+        self._writable()
+        key = key_of(path)
+        if self._lookup_or_none(key) is not None:
+            raise FsError(errno.EEXIST, key)
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            raise FsError(errno.EPERM, f"{key}: only regular files and directories can be objects")
+        fh = self.create(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        try:
+            self.flush(fh)
+        finally:
+            self.release(fh)
 
     def read(self, fh: int, size: int, offset: int) -> bytes:
         handle = self._handle(fh)

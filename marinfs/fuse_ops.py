@@ -214,9 +214,16 @@ class FuseAdapter(fuse.Operations):
         self.fs.rename(old, new)
         return 0
 
-    def link(self, target: str, source: str) -> int:
-        raise fuse.FuseOSError(errno.EPERM)  # objects have no hard links
+    @_errors
+    def mknod(self, path: str, mode: int, dev: int) -> int:
+        self.fs.mknod(path, mode)
+        return 0
 
+    @_errors
+    def link(self, target: str, source: str) -> int:
+        raise fuse.FuseOSError(errno.EPERM)  # objects have no hard links (the kernel's answer without them)
+
+    @_errors
     def symlink(self, target: str, source: str) -> int:
         raise fuse.FuseOSError(errno.EPERM)  # objects have no symbolic links
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
+import stat
 import subprocess
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -182,6 +184,21 @@ def test_xattrs_cannot_be_set_or_removed(fs: Filesystem, remote: Remote, tmp_pat
         read_only.removexattr("/f.bin", XATTR_URL)
 
 
+# -- mknod (core) ------------------------------------------------------------------------------
+def test_mknod_makes_regular_files_and_refuses_fifos_devices_sockets(fs: Filesystem, remote: Remote) -> None:
+    fs.mknod("/plain", stat.S_IFREG | 0o644)
+    fs.mknod("/typeless", 0o644)  # mknod(2) with no type is a regular file
+    assert cat(remote, "plain") == b"" and cat(remote, "typeless") == b""
+    for kind in (stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK):
+        with raises_errno(errno.EPERM):
+            fs.mknod("/special", kind | 0o644)
+    assert not remote.fs.exists(remote.full("special"))
+    assert sorted(i.name for i in fs.readdir("/")) == ["plain", "typeless"]
+    with raises_errno(errno.EEXIST):
+        fs.mknod("/plain", stat.S_IFIFO | 0o644)
+    assert not any(p.name.endswith(".journal.json") for p in fs.staging_dir.iterdir())
+
+
 # -- through the mount, on every backend -------------------------------------------------------
 def sh(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -299,3 +316,22 @@ def test_cp_a_rsync_x_and_tar_xattrs_copy_no_attributes(mounted: Mounted, tmp_pa
         assert sh("getfattr", "-d", "-m", "-", str(m / "f")).stdout == ""
         value = sh("getfattr", "--only-values", "-n", XATTR_URL, str(m / "f")).stdout
         assert value == f"{mounted.url}/f"
+
+
+def test_mkfifo_mknod_and_ln_fail_cleanly_through_the_mount(mounted: Mounted) -> None:
+    m = mounted.mnt
+    (m / "t").write_text("t")
+    for args in (["mkfifo", str(m / "fifo")], ["ln", str(m / "t"), str(m / "hard")]):
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and "Operation not permitted" in result.stderr, (args, result.stderr)
+    for kind in (stat.S_IFIFO, stat.S_IFCHR):
+        with raises_errno(errno.EPERM):
+            os.mknod(m / "node", kind | 0o644, os.makedev(1, 3))
+    with socket.socket(socket.AF_UNIX) as sock:
+        with raises_errno(errno.EPERM):
+            sock.bind(str(m / "sock"))
+    os.mknod(m / "plain", stat.S_IFREG | 0o644)
+    assert mounted.remote_bytes("plain") == b""
+    assert sorted(os.listdir(m)) == ["plain", "t"]
+    for name in ("fifo", "hard", "node", "sock"):
+        assert not mounted.remote_exists(name)
