@@ -13,6 +13,8 @@ import shutil
 import socket
 import stat
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 import marinfs.fs as fs_module
 from marinfs.fs import FALLOC_FL_KEEP_SIZE, XATTR_URL, XATTR_VERSION, Filesystem
 from marinfs.remote import Remote
-from mounting import Mounted
+from mounting import Mounted, subprocess_mount
 import tiers
 
 MiB = 1 << 20
@@ -30,6 +32,7 @@ CREAT = os.O_CREAT | os.O_WRONLY
 FALLOC_FL_PUNCH_HOLE, FALLOC_FL_COLLAPSE_RANGE, FALLOC_FL_ZERO_RANGE = 0x02, 0x08, 0x10
 KERNEL_NAMES = ("security.selinux", "security.capability", "system.posix_acl_access",
                 "system.posix_acl_default", "trusted.overlay.opaque")
+NOBODY = 65534
 
 
 def raises_errno(code: int) -> AbstractContextManager[Any]:
@@ -335,3 +338,48 @@ def test_mkfifo_mknod_and_ln_fail_cleanly_through_the_mount(mounted: Mounted) ->
     assert sorted(os.listdir(m)) == ["plain", "t"]
     for name in ("fifo", "hard", "node", "sock"):
         assert not mounted.remote_exists(name)
+
+
+# -- permissions: allow_other + default_permissions ------------------------------------------
+def as_nobody(*args: str) -> subprocess.CompletedProcess:
+    """Run ``args`` as uid/gid 65534 with no supplementary groups."""
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+@tiers.needs("mount")
+def shared_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A root mount with --allow-other at a mountpoint other users can reach (pytest's own
+    tmp directories are 0700)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as another user")
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "f.txt").write_bytes(b"root's\n")
+    top = Path(tempfile.mkdtemp(prefix="marinfs-perm-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        with subprocess_mount(str(remote), top / "mnt", tmp_path / "cache", "--allow-other"):
+            yield top / "mnt", remote
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_allow_other_lets_other_users_read_but_not_write_0644_files(shared_mount: tuple[Path, Path]) -> None:
+    mnt, remote = shared_mount
+    st = os.stat(mnt / "f.txt")
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o644)
+    read = as_nobody("cat", str(mnt / "f.txt"))
+    assert read.returncode == 0 and read.stdout == "root's\n", read.stderr
+    for script in (f"echo x >> {mnt}/f.txt", f"echo x > {mnt}/new.txt", f"mkdir {mnt}/d", f"rm {mnt}/f.txt",
+                   f"mv {mnt}/f.txt {mnt}/g.txt"):
+        result = as_nobody("sh", "-c", script)
+        assert result.returncode != 0 and "Permission denied" in result.stderr, (script, result.stderr)
+    for script in (f"chmod 666 {mnt}/f.txt", f"chown {NOBODY} {mnt}/f.txt"):  # not the owner
+        result = as_nobody("sh", "-c", script)
+        assert result.returncode != 0 and "Operation not permitted" in result.stderr, (script, result.stderr)
+    assert (remote / "f.txt").read_bytes() == b"root's\n"
+    assert sorted(os.listdir(remote)) == ["f.txt"]
+    (mnt / "f.txt").write_bytes(b"root writes\n")  # the owner may
+    assert (remote / "f.txt").read_bytes() == b"root writes\n"
