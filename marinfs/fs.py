@@ -243,7 +243,7 @@ class Filesystem:
         if name == XATTR_VERSION:
             info = self.lookup(key_of(path))
             if not info.is_dir and info.version is not None:
-                return info.version.encode()
+                return str(info.version).encode()  # its token: g…, e…, m… (also an ObjectVersion's)
         raise FsError(errno.ENODATA, name)
 
     def listxattr(self, path: str) -> list[str]:
