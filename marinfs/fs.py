@@ -11,11 +11,13 @@ I/O; a staged file has its own lock, and the caches below lock themselves.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import logging
 import os
 import posixpath
+import stat
 import threading
 import time
 from collections import deque
@@ -40,6 +42,26 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 ROOT = ObjectInfo(name="", is_dir=True)
+
+# fallocate(2) modes (linux/falloc.h): only plain allocation and KEEP_SIZE have a meaning for
+# a file that is uploaded whole; holes and ranges would need the object's layout.
+FALLOC_FL_KEEP_SIZE = 0x01
+# Read-only attributes that tell a tool outside Python where a file lives and which version a
+# read pins. Other user.* attributes cannot be stored yet (that needs object metadata).
+XATTR_URL = "user.marinfs.url"
+XATTR_VERSION = "user.marinfs.version"
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def reserve(fd: int, offset: int, length: int) -> None:
+    """Reserve disk blocks for ``fd``'s range without changing its size, so a full staging
+    disk fails the fallocate (ENOSPC) rather than a later write. A staging disk that cannot
+    reserve (EOPNOTSUPP) is no error: the commit uploads the same bytes either way."""
+    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EOPNOTSUPP:
+            raise OSError(code, os.strerror(code))
 
 
 @dataclass
@@ -212,6 +234,47 @@ class Filesystem:
     def set_attributes(self, path: str) -> None:
         """chmod/chown/utimens: accepted so ``cp -p`` and ``rsync -a`` work; nothing is stored."""
         self.lookup(key_of(path))
+
+    # -- extended attributes -------------------------------------------------------------------
+    # As a local filesystem without stored attributes answers: nothing to get or list in the
+    # kernel's namespaces (security.*, system.*: ENODATA), nothing settable (ENOTSUP), never
+    # EIO. getxattr of a name that is not ours sends no request: the kernel asks for
+    # security.capability before every write(2).
+    def getxattr(self, path: str, name: str) -> bytes:
+        if name == XATTR_URL:
+            return self._url_of(key_of(path)).encode()
+        if name == XATTR_VERSION:
+            info = self.lookup(key_of(path))
+            if not info.is_dir and info.version is not None:
+                return str(info.version).encode()  # its token: g…, e…, m… (also an ObjectVersion's)
+        raise FsError(errno.ENODATA, name)
+
+    def listxattr(self, path: str) -> list[str]:
+        """Nothing: ours are read by name only, as CephFS's virtual ``ceph.*`` attributes are.
+        Listed, ``cp -a``, ``rsync -X`` and ``tar --xattrs`` would copy them: out of the mount
+        onto files they are false for, and into a mount where setting them fails (``rsync -aX``
+        between two mounts exits 23)."""
+        self.lookup(key_of(path))
+        return []
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        self._writable()
+        self.lookup(key_of(path))
+        if name in (XATTR_URL, XATTR_VERSION):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENOTSUP, f"{name}: extended attributes are not stored")
+
+    def removexattr(self, path: str, name: str) -> None:
+        self._writable()
+        self.lookup(key_of(path))
+        if name in (XATTR_URL, XATTR_VERSION):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENODATA, name)
+
+    def _url_of(self, key: str) -> str:
+        """Where ``key`` lives: the remote URL, then ``/key`` (checks that it exists)."""
+        self.lookup(key)
+        return f"{self.remote.url.rstrip('/')}/{key}" if key else self.remote.url
 
     # -- open files ----------------------------------------------------------------------------
     def _acquire_staged(self, key: str, info: ObjectInfo | None, truncate: bool) -> StagedFile:
@@ -391,6 +454,22 @@ class Filesystem:
         staged = self._acquire_staged(key, None, truncate=False)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
 
+    def mknod(self, path: str, mode: int) -> None:
+        """mknod(2): a regular file is an empty object, made as create + close make it. Fifos,
+        sockets and devices cannot be objects: EPERM, what the kernel answers for a
+        filesystem without them (vfat), so mkfifo and bind() fail cleanly and leave nothing."""
+        self._writable()
+        key = key_of(path)
+        if self._lookup_or_none(key) is not None:
+            raise FsError(errno.EEXIST, key)
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            raise FsError(errno.EPERM, f"{key}: only regular files and directories can be objects")
+        fh = self.create(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        try:
+            self.flush(fh)
+        finally:
+            self.release(fh)
+
     def read(self, fh: int, size: int, offset: int) -> bytes:
         handle = self._handle(fh)
         staged = handle.staged
@@ -518,6 +597,24 @@ class Filesystem:
             self._commit(staged)
         finally:
             self._release_staged(staged)
+
+    def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on a file open for writing, applied to its staged file: mode 0 reserves
+        and extends the size like ext4 (zeros, committed at close); KEEP_SIZE only reserves.
+        Punching holes, zeroing or collapsing ranges: EOPNOTSUPP (the object is uploaded whole;
+        a hole is just zeros to write). Read-only handle: EBADF, as ext4 (the kernel checks that
+        itself before it reaches us)."""
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        staged = self._handle(fh).staged
+        if staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        with staged.lock:
+            reserve(staged.fd, offset, length)  # ENOSPC here changes nothing
+            if not mode & FALLOC_FL_KEEP_SIZE and offset + length > staged.known_size():
+                staged.truncate(offset + length)  # the new bytes are zeros, as on ext4
 
     # -- namespace -----------------------------------------------------------------------------
     def unlink(self, path: str) -> None:

@@ -31,6 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 LIBFUSE_MAJOR = fuse.fuse_version_major
 FUSE_READDIR_PLUS = 1  # libfuse3 enum fuse_readdir_flags: the kernel asks for attributes too
 FUSE_FILL_DIR_PLUS = 2  # libfuse3 enum fuse_fill_dir_flags: this entry's struct stat is complete
+KERNEL_XATTR_PREFIXES = (b"security.", b"system.", b"trusted.")  # see _Fuse.getxattr
 
 
 def _errors(method: F) -> F:
@@ -54,7 +55,7 @@ def _errors(method: F) -> F:
                 log.error("%s%s failed: %s", method.__name__, args[1:2], exc)
             elif code == errno.EIO:  # unexpected: keep the traceback for the bug report
                 log.error("%s%s failed: %s", method.__name__, args[1:2], exc, exc_info=True)
-            elif code != errno.ENOENT:
+            elif code not in (errno.ENOENT, errno.ENODATA):  # ENODATA: every write asks for xattrs
                 log.debug("%s%s -> %s", method.__name__, args[1:2], errno.errorcode.get(code, code))
             raise fuse.FuseOSError(code) from None
         finally:
@@ -173,6 +174,11 @@ class FuseAdapter(fuse.Operations):
         return 0
 
     @_errors
+    def fallocate(self, path: str | None, mode: int, offset: int, size: int, fi: Any) -> int:
+        self.fs.fallocate(fi.fh, mode, offset, size)
+        return 0
+
+    @_errors
     def flush(self, path: str, fi: Any) -> int:
         self.fs.flush(fi.fh)
         return 0
@@ -208,11 +214,37 @@ class FuseAdapter(fuse.Operations):
         self.fs.rename(old, new)
         return 0
 
-    def link(self, target: str, source: str) -> int:
-        raise fuse.FuseOSError(errno.EPERM)  # objects have no hard links
+    @_errors
+    def mknod(self, path: str, mode: int, dev: int) -> int:
+        self.fs.mknod(path, mode)
+        return 0
 
+    @_errors
+    def link(self, target: str, source: str) -> int:
+        raise fuse.FuseOSError(errno.EPERM)  # objects have no hard links (the kernel's answer without them)
+
+    @_errors
     def symlink(self, target: str, source: str) -> int:
         raise fuse.FuseOSError(errno.EPERM)  # objects have no symbolic links
+
+    # -- extended attributes (fs.py says what each answers) ------------------------------------
+    @_errors
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        return self.fs.getxattr(path, name)
+
+    @_errors
+    def listxattr(self, path: str) -> list[str]:
+        return self.fs.listxattr(path)
+
+    @_errors
+    def setxattr(self, path: str, name: str, value: bytes, options: int, position: int = 0) -> int:
+        self.fs.setxattr(path, name, value)
+        return 0
+
+    @_errors
+    def removexattr(self, path: str, name: str) -> int:
+        self.fs.removexattr(path, name)
+        return 0
 
     def destroy(self, path: str) -> None:
         if self.on_destroy is not None:
@@ -277,6 +309,14 @@ class _Fuse(fuse.FUSE):
             if filler(buf, name.encode(self.encoding, self.errors), st, index + 1, fill) != 0:
                 break  # the kernel's buffer is full; it asks again from this entry's offset
         return 0
+
+    def getxattr(self, path: bytes, name: bytes, value: Any, size: int, *args: Any) -> int:
+        """The kernel's own namespaces hold nothing here: ENODATA at once, without the adapter,
+        as the kernel asks for ``security.capability`` before every write(2) to a file (libfuse
+        3.14 cannot negotiate FUSE_HANDLE_KILLPRIV_V2, which would spare that round trip)."""
+        if name.startswith(KERNEL_XATTR_PREFIXES):
+            return -errno.ENODATA
+        return super().getxattr(path, name, value, size, *args)
 
     def releasedir(self, path: bytes | None, fip: Any) -> int:
         self._listings.pop(fip.contents.fh, None)
