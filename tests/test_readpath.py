@@ -293,6 +293,30 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
     assert not cache._direct_io
 
 
+def test_chunks_of_an_older_daemon_are_verified_with_their_own_checksum(tmp_path: Path) -> None:
+    """New chunks carry CRC-32C ("-c" names); chunks named with zlib's CRC-32 by an older
+    daemon are still served, verified with that, and a corrupt one is fetched again."""
+    import zlib
+
+    cache = ChunkCache(tmp_path, MiB)
+    cache.put(key(1), b"new chunk")
+    cache.close()
+    (new,) = (tmp_path / "chunks").rglob("*-1-*")
+    crc = new.name.rsplit("-", 1)[1]
+    assert len(crc) == 9 and crc[0] == "c"
+    sub = new.parent
+    object_id = new.name.split("-")[0]
+    good, bad = b"old chunk", b"old chunk, corrupt"
+    assert f"{zlib.crc32(good):08x}"[0] == "c"  # an older name may well start with "c" too
+    (sub / f"{object_id}-2-{zlib.crc32(good):08x}").write_bytes(good)
+    (sub / f"{object_id}-3-{zlib.crc32(bad):08x}").write_bytes(bad[:-1] + b"!")
+    again = ChunkCache(tmp_path, MiB)
+    assert again.read(key(1), 0, 9) == b"new chunk"
+    assert again.read(key(2), 0, 9) == good
+    assert again.read(key(3), 0, 5) is None and again.stats.corrupt == 1
+    again.check_invariants()
+
+
 def test_readahead_of_many_readers_shares_one_memory_budget() -> None:
     """8 readers at once, without a disk cache to fall back on: memory (chunks held plus
     chunks asked for ahead) stays within the mount's budget but for what each reader needs to
