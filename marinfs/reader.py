@@ -1,8 +1,8 @@
 """Reads of object versions: chunk lookup in the cache, parallel ranged fetches, sequential
 readahead that grows and resets on a seek, single-flight.
 
-An object is read in fixed-size chunks. A chunk comes from the small in-memory LRU of recently
-fetched chunks, else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
+An object is read in fixed-size chunks. A chunk comes from memory (chunks fetched ahead, or
+read lately, within the mount's budget below), else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
 one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
 parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
 chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
