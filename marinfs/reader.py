@@ -1,8 +1,8 @@
 """Reads of object versions: chunk lookup in the cache, parallel ranged fetches, sequential
 readahead that grows and resets on a seek, single-flight.
 
-An object is read in fixed-size chunks. A chunk comes from the small in-memory LRU of recently
-fetched chunks, else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
+An object is read in fixed-size chunks. A chunk comes from memory (chunks fetched ahead, or
+read lately, within the mount's budget below), else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
 one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
 parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
 chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
@@ -16,21 +16,24 @@ one landed (half the prefetch workers; the rest stay for other readers), until t
 or the handle closed; only when the disk cache can hold the whole file twice over. At worst
 that fetches eight times what the reader had asked for already.
 
-Memory stays bounded: in-flight fetches are at most ``workers`` chunks (plus one split demand
-chunk per reading thread) and the memory LRU is capped in bytes; without a disk cache the
-readahead window is capped to what that LRU holds, so prefetched chunks are not evicted before
-they are read.
+Memory is one byte budget for the whole mount (``memory_bytes``), not a window per handle:
+every chunk a reader asked for ahead counts against it from the moment it is asked for until
+the reader has read it, and a chunk fetched ahead is never dropped before it is read (it is
+*held* for its reader). A reader whose next chunk does not fit asks for it on a later read: its
+window shrinks while other readers hold the budget. Chunks already read are kept only while the
+budget has room (least recently used go first), and chunks still queued for the disk cache stay
+readable from memory until they are on disk. Beyond the budget: the chunks being fetched on
+demand (one per reading thread) and the background sweep's fetches (half the workers).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
-
-from cachetools import LRUCache
 
 from marinfs.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
@@ -41,8 +44,19 @@ log = logging.getLogger(__name__)
 Fetch = Callable[[str, int, int, Any], bytes]  # (key, start, end, version) -> bytes
 
 
+@dataclass(eq=False)
+class _Held:
+    """A chunk in memory."""
+
+    data: bytes
+    held: bool  # fetched for a reader that has not read all of it yet: never evicted
+    writing: bool  # queued for the disk cache: its memory is taken anyway, and not on disk yet
+    served: int = 0  # bytes read from it; a reader that read them all releases it
+
+
 class ChunkFetcher:
-    """Shared by all handles of a mount: chunk sources, single-flight and the prefetch pool."""
+    """Shared by all handles of a mount: chunk sources, single-flight, the prefetch pool and
+    the mount's memory budget."""
 
     def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
                  workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4) -> None:
@@ -51,7 +65,13 @@ class ChunkFetcher:
         self.chunk_size = chunk_size
         self._lock = threading.Lock()
         self._inflight: dict[ChunkKey, Future[bytes]] = {}
-        self._memory: LRUCache[ChunkKey, bytes] = LRUCache(maxsize=max(memory_bytes, chunk_size), getsizeof=len)
+        # The budget: chunks in memory (_used) plus chunks asked for ahead and not landed yet
+        # (_reserved) stay within it; only chunks not held and not waiting for the disk are evicted.
+        self.memory_bytes = max(memory_bytes, chunk_size)
+        self._chunks: OrderedDict[ChunkKey, _Held] = OrderedDict()  # least recently used first
+        self._used = 0
+        self._reserved = 0
+        self._hold: set[ChunkKey] = set()  # chunks a reader asked for and has not read through
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
         self.workers = workers
         # Sub-ranges of at least 1 MiB: smaller GETs cost more in requests than they save.
@@ -59,14 +79,11 @@ class ChunkFetcher:
         self._split_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="demand")
         # Chunks are written to the disk cache by their own threads: an O_DIRECT write waits for
         # the disk, and a fetch worker held by it is a GET not in flight. At most this many
-        # writes wait (the chunks are in the memory LRU meanwhile); past that, fetches wait.
+        # writes wait (the chunks stay readable in memory meanwhile); past that, fetches wait.
         self._writes = threading.BoundedSemaphore(16)
         self._pending_writes = 0
         self._settled = threading.Condition()
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write")
-        # Readahead beyond what the memory LRU holds would evict chunks before they are read
-        # when there is no disk cache to keep them.
-        self.window_cap = max(1, self._memory.maxsize // chunk_size // 2) if cache is None else None
 
     def sweep_allowed(self, size: int) -> bool:
         """Whether the disk cache can keep a whole object of ``size`` bytes (twice over)."""
@@ -75,41 +92,141 @@ class ChunkFetcher:
     def chunk_key(self, obj: ObjectRef, index: int) -> ChunkKey:
         return ChunkKey.of(obj, index)
 
-    def read(self, obj: ObjectRef, index: int, offset: int, size: int) -> bytes:
-        """``size`` bytes at ``offset`` within chunk ``index`` (blocking)."""
+    def _size(self, obj: ObjectRef, index: int) -> int:
+        start = index * self.chunk_size
+        return max(0, min(obj.size, start + self.chunk_size) - start)
+
+    def read(self, obj: ObjectRef, index: int, offset: int, size: int, split: bool = True) -> bytes:
+        """``size`` bytes at ``offset`` within chunk ``index`` (blocking). The chunk is held in
+        memory for the reader until all of it was read (or the reader releases it). A chunk
+        nobody fetched yet is fetched in this thread, as ``split`` sub-ranges if asked (a first
+        read or a seek: one GET per chunk otherwise, as readahead would have fetched it)."""
         ck = self.chunk_key(obj, index)
         with self._lock:
-            data = self._memory.get(ck)
-            future = self._inflight.get(ck) if data is None else None
+            entry = self._chunks.get(ck)
+            if entry is not None:
+                self._served_locked(ck, entry, size)
+                data = entry.data
+            else:
+                data = None
+                future = self._inflight.get(ck)
+                if future is None:
+                    self._hold.add(ck)  # a demand fetch is held for its reader too
         if data is not None:
             return data[offset:offset + size]
         if future is None and self.cache is not None:
             cached = self.cache.read(ck, offset, size)
             if cached is not None:
+                with self._lock:
+                    self._hold.discard(ck)
                 return cached
         if future is None:
             future, owner = self._claim(ck)
             if owner:
-                self._run(obj, index, ck, future, demand=True)  # in this thread, split
-        return future.result()[offset:offset + size]
+                # Counted in the budget too (never refused: the reader waits for it), so that
+                # readahead makes room for it instead of adding to it.
+                size_ = self._size(obj, index)
+                with self._lock:
+                    self._reserved += size_
+                self._run(obj, index, ck, future, demand=split, reserved=size_)  # in this thread
+        data = future.result()
+        with self._lock:
+            entry = self._chunks.get(ck)
+            if entry is not None and entry.data is data:
+                self._served_locked(ck, entry, size)
+        return data[offset:offset + size]
+
+    def _served_locked(self, ck: ChunkKey, entry: _Held, size: int) -> None:
+        self._chunks.move_to_end(ck)
+        entry.served += size
+        if entry.held and entry.served >= len(entry.data):
+            entry.held = False  # read through: in the page cache now, and on disk soon
+            self._hold.discard(ck)
+
+    def ahead(self, obj: ObjectRef, index: int) -> bool:
+        """Fetch chunk ``index`` ahead of a sequential reader, held for it, if the mount's
+        budget has room for it. False when it has not (nothing started): ask again later."""
+        if index * self.chunk_size >= obj.size:
+            return True
+        ck = self.chunk_key(obj, index)
+        with self._lock:
+            entry = self._chunks.get(ck)
+            if entry is not None or ck in self._inflight:
+                if entry is not None and entry.served < len(entry.data):
+                    entry.held = True
+                self._hold.add(ck)
+                return True
+        if self.cache is not None and self.cache.contains(ck):
+            self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
+            return True
+        size = self._size(obj, index)
+        with self._lock:
+            if not self._room_locked(size):
+                return False
+            self._reserved += size
+            self._hold.add(ck)
+        future, owner = self._claim(ck)
+        if not owner:
+            with self._lock:
+                self._reserved -= size
+            return True
+        try:
+            self._pool.submit(self._run, obj, index, ck, future, reserved=size)
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+                self._inflight.pop(ck, None)
+            future.set_exception(RuntimeError("the mount is closing"))
+            raise
+        return True
 
     def prefetch(self, obj: ObjectRef, index: int, advise: bool = True) -> Future[None] | None:
-        """Start fetching chunk ``index`` in the background unless it is cached or under way;
-        answers the background task if one was started."""
+        """Start fetching chunk ``index`` in the background unless it is cached or under way
+        (for the disk cache: not held, outside the budget); answers the task if one was started."""
         if index * self.chunk_size >= obj.size:
             return None
         ck = self.chunk_key(obj, index)
         with self._lock:
-            if ck in self._memory or ck in self._inflight:
+            if ck in self._chunks or ck in self._inflight:
                 return None
         if self.cache is not None and self.cache.contains(ck):
             if advise:
-                self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
+                self.cache.advise(ck)
             return None
         future, owner = self._claim(ck)
         if owner:
             return self._pool.submit(self._run, obj, index, ck, future)
         return None
+
+    def release(self, obj: ObjectRef, indices: set[int] | range) -> None:
+        """A reader no longer needs these chunks held for it (it moved elsewhere or closed)."""
+        with self._lock:
+            for index in indices:
+                ck = self.chunk_key(obj, index)
+                self._hold.discard(ck)
+                entry = self._chunks.get(ck)
+                if entry is not None:
+                    entry.held = False
+            self._trim_locked()
+
+    def _room_locked(self, size: int) -> bool:
+        """Evict chunks nobody holds until ``size`` more bytes fit in the budget."""
+        while self._used + self._reserved + size > self.memory_bytes:
+            if not self._evict_one_locked():
+                return False
+        return True
+
+    def _trim_locked(self) -> None:
+        while self._used + self._reserved > self.memory_bytes and self._evict_one_locked():
+            pass
+
+    def _evict_one_locked(self) -> bool:
+        for ck, entry in self._chunks.items():
+            if not entry.held and not entry.writing:
+                del self._chunks[ck]
+                self._used -= len(entry.data)
+                return True
+        return False
 
     def _claim(self, ck: ChunkKey) -> tuple[Future[bytes], bool]:
         with self._lock:
@@ -117,9 +234,9 @@ class ChunkFetcher:
             if future is not None:
                 return future, False
             future = Future()
-            data = self._memory.get(ck)
-            if data is not None:  # fetched by another thread since our first look
-                future.set_result(data)
+            entry = self._chunks.get(ck)
+            if entry is not None:  # fetched by another thread since our first look
+                future.set_result(entry.data)
                 return future, False
             self._inflight[ck] = future
             return future, True
@@ -138,7 +255,8 @@ class ChunkFetcher:
             for f in rest:
                 f.cancel()
 
-    def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False) -> None:
+    def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False,
+             reserved: int = 0) -> None:
         start = index * self.chunk_size
         end = min(obj.size, start + self.chunk_size)
         try:
@@ -146,15 +264,24 @@ class ChunkFetcher:
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
-                self._memory[ck] = data
+                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None)
+                self._reserved -= reserved
+                reserved = 0
+                old = self._chunks.pop(ck, None)
+                if old is not None:
+                    self._used -= len(old.data)
+                self._chunks[ck] = entry
+                self._used += len(data)
+                self._trim_locked()
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
             if self.cache is not None:
                 self._writes.acquire()
                 with self._settled:
                     self._pending_writes += 1
                 try:
-                    self._writer.submit(self._put, ck, data)
+                    self._writer.submit(self._put, ck, entry)
                 except RuntimeError:  # shut down: the mount is going away
+                    self._written(ck, entry)
                     self._wrote()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
             future.set_exception(exc)
@@ -162,22 +289,43 @@ class ChunkFetcher:
                 raise
         finally:
             with self._lock:
+                self._reserved -= reserved
                 self._inflight.pop(ck, None)
+                if future.exception() is not None:
+                    self._hold.discard(ck)
 
-    def _put(self, ck: ChunkKey, data: bytes) -> None:
+    def _put(self, ck: ChunkKey, entry: _Held) -> None:
         try:
             assert self.cache is not None
-            self.cache.put(ck, data)  # may refuse (full disk): then memory is all we have
+            self.cache.put(ck, entry.data)  # may refuse (full disk): then memory is all we have
         except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
             log.warning("caching chunk %s failed: %s", ck, exc)
         finally:
+            self._written(ck, entry)
             self._wrote()
+
+    def _written(self, ck: ChunkKey, entry: _Held) -> None:
+        with self._lock:
+            entry.writing = False  # on disk (or refused): memory may let it go
+            self._trim_locked()
 
     def _wrote(self) -> None:
         self._writes.release()
         with self._settled:
             self._pending_writes -= 1
             self._settled.notify_all()
+
+    def memory(self) -> dict[str, int]:
+        """What the budget holds: bytes in memory, asked for ahead, the limit."""
+        with self._lock:
+            return {"used": self._used, "reserved": self._reserved, "limit": self.memory_bytes,
+                    "chunks": len(self._chunks), "held": sum(e.held for e in self._chunks.values())}
+
+    def drop_memory(self) -> None:
+        """Forget every chunk in memory (tests: only the disk cache is left)."""
+        with self._lock:
+            self._chunks.clear()
+            self._used = 0
 
     def settle(self, timeout: float = 30.0) -> bool:
         """Wait until every fetched chunk has been written to the disk cache (or refused)."""
@@ -196,12 +344,12 @@ class ObjectReader:
     def __init__(self, obj: ObjectRef, fetcher: ChunkFetcher, max_window: int = 32) -> None:
         self.obj = obj
         self._fetcher = fetcher
-        cap = fetcher.window_cap
-        self._max_window = max_window if cap is None else min(max_window, cap)
+        self._max_window = max_window
         self._lock = threading.Lock()
         self._next = 0  # where a sequential reader reads next
         self._window = 0  # chunks to keep in flight ahead of the reader
         self._ahead = -1  # the last chunk index already asked for ahead of the reader
+        self._asked: set[int] = set()  # chunks held for this reader (see ChunkFetcher.release)
         chunks = -(-obj.size // fetcher.chunk_size)
         # Random reads touching this many distinct chunks start the sweep (None: never).
         self._dense_at = max(4, chunks // 8) if chunks > 4 and fetcher.sweep_allowed(obj.size) else None
@@ -215,33 +363,46 @@ class ObjectReader:
             return b""
         end = min(offset + size, obj.size)
         first, last = offset // cs, (end - 1) // cs
+        released: set[int] = set()
         with self._lock:
+            fresh = not self._window  # a first read, or the first after a seek
             # The kernel issues readahead concurrently, so "sequential" tolerates reordering
             # within a chunk of where the reader was expected.
             if abs(offset - self._next) <= cs:
                 self._window = min(self._max_window, max(1, self._window * 2))
             else:
                 self._window = 0
+                # A seek: what was held for this reader ahead of its old position is not needed.
+                released, self._asked = self._asked, set()
             self._next = max(self._next, end) if self._window else end
             window = self._window
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
             start = max(last + 1, self._ahead + 1) if window else last + 1
             self._ahead = max(self._ahead, last + window) if window else last
+            self._asked.update(range(first, last + 1 + window))
             start_sweep = self._dense(first, last, random=not window)
+        released.difference_update(range(first, last + 1))
+        if released:
+            self._fetcher.release(obj, released)
         for index in range(start, last + 1 + window):
-            self._fetcher.prefetch(obj, index)
+            if not self._fetcher.ahead(obj, index):
+                # The mount's budget is taken: this reader's window ends here for now.
+                with self._lock:
+                    self._ahead = min(self._ahead, index - 1)
+                    self._asked.difference_update(range(index, last + 1 + window))
+                break
         if start_sweep:
             for _ in range(max(1, self._fetcher.workers // 2)):
                 self._sweep_on()
+        split = fresh  # mid-stream, a chunk the budget did not let us fetch ahead: one GET
         if first == last:
-            return self._fetcher.read(obj, first, offset - first * cs, end - offset)
+            return self._fetcher.read(obj, first, offset - first * cs, end - offset, split)
         parts = []
         for index in range(first, last + 1):
             lo = max(offset, index * cs) - index * cs
             hi = min(end, (index + 1) * cs) - index * cs
-            parts.append(self._fetcher.read(obj, index, lo, hi - lo))
+            parts.append(self._fetcher.read(obj, index, lo, hi - lo, split))
         return b"".join(parts)
-
     def _dense(self, first: int, last: int, random: bool) -> bool:
         """Count the chunks random reads touched; True once, when the sweep should start."""
         if self._dense_at is None or self._sweep is not None or not random:
@@ -274,3 +435,5 @@ class ObjectReader:
         """The handle is closed: no more background fetches for it."""
         with self._lock:
             self.closed = True
+            asked, self._asked = self._asked, set()
+        self._fetcher.release(self.obj, asked)

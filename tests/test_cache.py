@@ -104,7 +104,7 @@ def test_remote_overwrite_is_seen_after_the_ttl_never_old_chunks(remote: Remote,
 
         time.sleep(1.6)  # our TTL (0.3 s) plus the kernel's attribute timeout (1 s)
         assert read_in_child(tmp_path / "mnt/f") == new
-        core.fetcher.settle()  # chunk files are written on their own threads
+        assert core.fetcher.settle()  # chunks are written to disk by their own threads
         assert core.fetcher.cache.snapshot()["chunks"] == 6  # both versions, keyed apart
 
 

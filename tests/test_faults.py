@@ -338,7 +338,7 @@ def test_a_chunk_removed_or_cut_short_under_a_running_daemon_is_refetched(faulty
     chunks[0].unlink()
     with open(chunks[1], "r+b") as f:
         f.truncate(1000)
-    faulty.core.fetcher._memory.clear()  # only the disk cache is left
+    faulty.core.fetcher.drop_memory()  # only the disk cache is left
     drop_page_cache()
     read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
     assert read == data

@@ -291,3 +291,78 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
     assert cache.put(key(1), data) and cache.put(key(2), data[:4096])
     assert cache.read(key(1), 0, MiB + 5) == data and cache.read(key(2), 0, MiB) == data[:4096]
     assert not cache._direct_io
+
+
+def test_chunks_of_an_older_daemon_are_verified_with_their_own_checksum(tmp_path: Path) -> None:
+    """New chunks carry CRC-32C ("-c" names); chunks named with zlib's CRC-32 by an older
+    daemon are still served, verified with that, and a corrupt one is fetched again."""
+    import zlib
+
+    cache = ChunkCache(tmp_path, MiB)
+    cache.put(key(1), b"new chunk")
+    cache.close()
+    (new,) = (tmp_path / "chunks").rglob("*-1-*")
+    crc = new.name.rsplit("-", 1)[1]
+    assert len(crc) == 9 and crc[0] == "c"
+    sub = new.parent
+    object_id = new.name.split("-")[0]
+    good, bad = b"old chunk", b"old chunk, corrupt"
+    assert f"{zlib.crc32(good):08x}"[0] == "c"  # an older name may well start with "c" too
+    (sub / f"{object_id}-2-{zlib.crc32(good):08x}").write_bytes(good)
+    (sub / f"{object_id}-3-{zlib.crc32(bad):08x}").write_bytes(bad[:-1] + b"!")
+    again = ChunkCache(tmp_path, MiB)
+    assert again.read(key(1), 0, 9) == b"new chunk"
+    assert again.read(key(2), 0, 9) == good
+    assert again.read(key(3), 0, 5) is None and again.stats.corrupt == 1
+    again.check_invariants()
+
+
+def test_readahead_of_many_readers_shares_one_memory_budget() -> None:
+    """8 readers at once, without a disk cache to fall back on: memory (chunks held plus
+    chunks asked for ahead) stays within the mount's budget but for what each reader needs to
+    go on (the chunk it reads and the next, read on demand when readahead had no room), every
+    byte is fetched once (a chunk fetched ahead is never dropped before it is read), and a
+    lone reader still gets a window ahead of it."""
+    data = os.urandom(16 * MiB)
+    fetch = RecordingFetch(data, delay=0.005)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=1 * MiB, memory_bytes=6 * MiB)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            m = fetcher.memory()
+            peak[0] = max(peak[0], m["used"] + m["reserved"])
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    refs = [ObjectRef(url=f"mem://b/o{i}", key="obj", version="v1", size=len(data)) for i in range(8)]
+    outs: dict[int, bytes] = {}
+
+    def run(i: int) -> None:
+        reader = ObjectReader(refs[i], fetcher)
+        outs[i] = b"".join(reader.read(256 * KiB, off) for off in range(0, len(data), 256 * KiB))
+        reader.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert all(outs[i] == data for i in range(8))
+    assert fetched(fetch.calls) == 8 * len(data)  # each object's bytes once
+    assert peak[0] <= 6 * MiB + 2 * 8 * MiB  # old design: 8 windows of up to 32 chunks each
+    assert fetcher.memory()["held"] == 0  # closed readers hold nothing
+    fetcher.close()
+
+    lone = RecordingFetch(data, delay=0.05)
+    solo = ChunkFetcher(lone, None, chunk_size=1 * MiB, memory_bytes=6 * MiB)
+    reader = ObjectReader(ref(len(data)), solo)
+    for off in range(0, 640 * KiB, 128 * KiB):  # the window doubles: 1, 2, 4, 8, 16 chunks
+        reader.read(128 * KiB, off)
+    time.sleep(0.03)
+    assert len(lone.calls) == 6  # the chunk read and 5 ahead: as many as the budget holds
+    solo.close()
