@@ -33,6 +33,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from marinfs.chunkcache import ChunkCache, ChunkKey
