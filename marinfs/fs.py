@@ -644,15 +644,22 @@ class Filesystem:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
         try:
-            self.remote.symlink(key, target)
+            version = self.remote.symlink(key, target)
         finally:
             self.metadata.forget(key)
-        # Its stat as the remote has it (version, time): a listing will show the same.
-        try:
-            info = self.remote.stat(key)
-        except FileNotFoundError:
-            self.metadata.invalidate(key)
-            return  # removed meanwhile by someone else
+        if version is None:  # the store did not say: its stat, as a listing will show it
+            try:
+                info = self.remote.stat(key)
+            except FileNotFoundError:
+                self.metadata.invalidate(key)
+                return  # removed meanwhile by someone else
+        else:
+            # The PUT answered the version (S3 ETag, GCS generation): no stat needed. Its time
+            # is shown as ours for that version, as for a committed file (see _commit).
+            info = ObjectInfo(name=key, is_dir=False, size=len(data), mtime_ns=time.time_ns(), version=version,
+                              link=True, target=target)
+            with self._lock:
+                self._own_mtimes[key] = (version, info.mtime_ns)
         self.metadata.put_own(info)
 
     def readlink(self, path: str) -> str:

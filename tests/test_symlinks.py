@@ -296,10 +296,11 @@ def test_rclone_reads_marinfs_links_on_s3_and_marinfs_reads_rclones(s3_server: A
 @pytest.mark.mount
 @pytest.mark.parametrize("store", ["s3", "gcs"])
 def test_ls_l_of_links_costs_no_more_than_of_files_and_readlink_one_small_get(
-        request: pytest.FixtureRequest, store: str, tmp_path: Path) -> None:
+        request: pytest.FixtureRequest, store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
     if store == "gcs":
-        os.environ.setdefault("STORAGE_EMULATOR_HOST", server.endpoint)
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
     scheme = "s3" if store == "s3" else "gs"
     url = f"{scheme}://{server.bucket}/t-{uuid.uuid4().hex[:12]}"
     client, base = fsspec_client(url, {**server.storage_options(), "use_listings_cache": False})
@@ -329,6 +330,13 @@ def test_ls_l_of_links_costs_no_more_than_of_files_and_readlink_one_small_get(
         assert os.readlink(mnt / "links/l07") == "../files/f07"
         # ls -l already read every target: cached by version, so no request now on either store.
         assert fs.remote.stats.snapshot()["requests"] == {}
+        (mnt / "new").mkdir()
+        fs.remote.stats.reset()
+        for i in range(5):  # like tar -x: a link into a new directory is one PUT, nothing else
+            os.symlink(f"target-{i}", mnt / f"new/l{i}")
+        assert sorted(os.listdir(mnt / "new")) == [f"l{i}" for i in range(5)]
+        assert os.readlink(mnt / "new/l3") == "target-3"
+        assert fs.remote.stats.snapshot()["requests"] == {"put": 5}
     with inprocess_mount(url, mnt, tmp_path / "cache2", storage_options=server.storage_options()) as fs:
         os.listdir(mnt / "links")
         fs.remote.stats.reset()

@@ -390,13 +390,14 @@ class Remote:
 
     # -- symbolic links ------------------------------------------------------------------------
     # A link's target is text: nothing here ever follows one.
-    def symlink(self, key: str, target: str) -> None:
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
         """Make ``key`` a symbolic link to ``target``; FileExistsError if ``key.rclonelink``
-        exists (the caller checked ``key`` itself)."""
+        exists (the caller checked ``key`` itself). Answers the new version if known."""
         full = self.full(key) + LINK_SUFFIX
         if self._call("head", self.fs.exists, full):
             raise FileExistsError(errno.EEXIST, "a link of that name exists", key)
         self._call("put", self.fs.pipe_file, full, target.encode("utf-8", "surrogateescape"))
+        return None
 
     def readlink(self, key: str, info: ObjectInfo) -> str:
         """The target of link ``key`` as ``info`` (its stat) found it: from the stat where it

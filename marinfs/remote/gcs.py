@@ -76,13 +76,16 @@ class GCSRemote(ObjectStoreRemote):
                           mtime_ns=info.mtime_ns, version=info.version, link=True, target=target)
 
     # -- symbolic links (gcsfuse's) ------------------------------------------------------------
-    def symlink(self, key: str, target: str) -> None:
-        """One upload of an empty object with the target in its metadata; it must not exist."""
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
+        """One upload of an empty object with the target in its metadata; it must not exist
+        (``ifGenerationMatch=0``). Answers its generation."""
         try:
-            self._call("put", self.fs.pipe_file, self.full(key), b"", metadata={SYMLINK_METADATA: target},
-                       mode="create")
+            out = self._call("put", self.fs.pipe_file, self.full(key), b"", metadata={SYMLINK_METADATA: target},
+                             mode="create")
         except PreconditionFailed:
             raise FileExistsError(errno.EEXIST, "an object of that name exists", key) from None
+        generation = (out or {}).get("generation") if isinstance(out, dict) else None
+        return ObjectVersion("generation", str(generation)) if generation else None
 
     def readlink(self, key: str, info: ObjectInfo) -> str:
         if info.target is not None:

@@ -79,9 +79,10 @@ class LocalRemote(Remote):
             link = None
         return link if link is not None else self._info_of(raw, key)
 
-    def symlink(self, key: str, target: str) -> None:
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
         self.stats.add("put")
         os.symlink(target, self.entry(key))  # FileExistsError if anything has the name
+        return None
 
     def readlink(self, key: str, info: ObjectInfo) -> str:
         self.stats.add("get")

@@ -85,12 +85,12 @@ class ObjectStoreRemote(Remote, abc.ABC):
         return name.endswith("/")
 
     # -- symbolic links ------------------------------------------------------------------------
-    def symlink(self, key: str, target: str) -> None:
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
         """One PUT of ``key.rclonelink`` that must not exist yet (checked by the server)."""
         if not self.link_objects:
             raise NotImplementedError
         try:
-            self._put_small(target.encode("utf-8", "surrogateescape"), key + LINK_SUFFIX, ABSENT)
+            return self._put_small(target.encode("utf-8", "surrogateescape"), key + LINK_SUFFIX, ABSENT)
         except PreconditionFailed:
             raise FileExistsError(errno.EEXIST, "a link of that name exists", key) from None
 
