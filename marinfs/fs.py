@@ -158,7 +158,7 @@ class Filesystem:
         if self.listings is not None:
             self.listings.note_miss(key)
         try:
-            info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
+            info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key), likely_link=self.metadata.was_link(key))
         except FileNotFoundError:
             self.metadata.put_missing(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None

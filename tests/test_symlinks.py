@@ -145,7 +145,18 @@ def test_core_readlink_is_one_get_cached_by_the_links_version(tmp_path: Path) ->
     remote.fs.pipe_file(remote.full("l.rclonelink"), b"second")  # a new version elsewhere
     assert fs.readlink("/l") == "first"  # within the TTL: the cached stat and its target
     now[0] += 10
+    remote.stats.reset()
     assert fs.readlink("/l") == "second"
+    # Revalidating a known link asks for its link object first: one HEAD, and one GET as the
+    # version changed (not HEAD l, then a LIST of l/, then HEAD l.rclonelink).
+    assert remote.stats.snapshot()["requests"] == {"head": 1, "get": 1}
+    now[0] += 10
+    remote.stats.reset()
+    assert fs.readlink("/l") == "second" and remote.stats.snapshot()["requests"] == {"head": 1}
+    remote.fs.rm_file(remote.full("l.rclonelink"))
+    remote.fs.pipe_file(remote.full("l"), b"now a file")
+    now[0] += 10
+    assert not fs.getattr("/l").link and fs.getattr("/l").size == 10  # no longer a link: found all the same
 
 
 @pytest.mark.core

@@ -316,10 +316,14 @@ class Remote:
         """Nothing to probe on a generic backend: its first request tells."""
 
     # -- metadata ------------------------------------------------------------------------------
-    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         """The object or directory at ``key``; FileNotFoundError when neither exists.
         ``likely_dir`` (it was a directory last time) lets object stores ask the cheaper
-        question first."""
+        question first; ``likely_link`` (a link last time) asks for its link object first."""
+        if likely_link:
+            link = self._stat_link(key)
+            if link is not None:
+                return link
         try:
             if self._reserved(key):
                 raise FileNotFoundError(errno.ENOENT, "a link's own object is not a file", key)

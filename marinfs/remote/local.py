@@ -60,7 +60,7 @@ class LocalRemote(Remote):
                           target=target, version=ObjectVersion.local(st.st_mtime_ns, st.st_size, st.st_ino,
                                                                       st.st_ctime_ns))
 
-    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         if key:
             try:
                 link = self._lstat_link(key, self.entry(key))

@@ -47,15 +47,21 @@ class ObjectStoreRemote(Remote, abc.ABC):
         self._call("list", self.fs.ls, bucket + "/", detail=False)
 
     # -- metadata ------------------------------------------------------------------------------
-    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         """On object stores a file costs one request (a HEAD, or GCS's metadata GET) and a
         directory two (that HEAD, then a one-key delimited LIST), where fsspec's ``info`` spends
         two to three on either. ``likely_dir`` (it was a directory last time) asks the LIST
         first, so revalidating a known directory costs one request. A symbolic link
-        (``key.rclonelink``, rclone's convention) is one HEAD after those: a miss costs it too."""
+        (``key.rclonelink``, rclone's convention) is one HEAD after those: a miss costs it too;
+        ``likely_link`` (a link last time) asks it first, so revalidating a link costs one."""
         if not key:
             return super().stat(key)
         full = self.full(key)
+        if likely_link and self.link_objects:  # a link last time: one HEAD of key.rclonelink
+            try:
+                return replace(self._info_of(self._call("head", self._head_object, full + LINK_SUFFIX), key), link=True)
+            except FileNotFoundError:
+                pass
         if likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
         if not self._reserved(key):
