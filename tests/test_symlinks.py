@@ -80,8 +80,11 @@ def test_core_symlink_readlink_lstat_rename_unlink(remote: Remote, tmp_path: Pat
     assert raised.value.errno == errno.EINVAL
     fs.rename("/d/rel", "/d/moved")
     assert [i.name for i in fs.readdir("/d")] == ["d/moved"] and fs.readlink("/d/moved") == "../blobs/abc"
-    fs.unlink("/d/moved")
-    assert fs.readdir("/d") == []
+    fs.rename("/d", "/e")  # a directory rename moves its links with it (their objects, on stores)
+    assert fs.readlink("/e/moved") == "../blobs/abc" and fs.getattr("/e/moved").link
+    assert core(remote, tmp_path).readlink("/e/moved") == "../blobs/abc"  # another node agrees
+    fs.unlink("/e/moved")
+    assert fs.readdir("/e") == []
     # What a peer sees: a real link on a disk, rclone's NAME.rclonelink object elsewhere.
     if not remote.link_objects:
         assert os.readlink(remote.entry("abs")) == "/etc/hostname"  # type: ignore[attr-defined]
@@ -203,6 +206,10 @@ def test_ln_s_readlink_stat_ls_and_a_loop(mounted: Mounted) -> None:
     assert remote_link(mounted, "dir/renamed") == "dir/file.txt"
     os.unlink(m / "dangling")
     assert not os.path.lexists(m / "dangling")
+    sh("mv", str(m / "dir"), str(m / "moved-dir"))  # a directory rename carries its links
+    assert os.readlink(m / "moved-dir/renamed") == "dir/file.txt"
+    assert remote_link(mounted, "moved-dir/renamed") == "dir/file.txt"
+    sh("mv", str(m / "moved-dir"), str(m / "dir"))
     assert (m / "dir/file.txt").read_text() == "hello"  # unlink and rename touched the link only
 
 
@@ -254,6 +261,9 @@ def test_cp_a_of_a_tree_with_symlinks_then_diff(mounted: Mounted, tmp_path: Path
     assert remote_link(mounted, "copy/a/b/up") == "../a"
     sh("cp", "-a", str(mounted.mnt / "copy"), str(tmp_path / "back"))  # and out again
     sh("diff", "-r", "--no-dereference", str(src), str(tmp_path / "back"))
+    sh("rm", "-r", str(mounted.mnt / "copy"))  # removes the links, never what they lead to
+    assert not os.path.lexists(mounted.mnt / "copy") and mounted.fs.find(mounted.remote_path("copy")) == []
+    assert (src / "a/b/data.bin").stat().st_size == 5000
 
 
 def test_hugging_face_hub_cache_layout(mounted: Mounted) -> None:
