@@ -34,13 +34,14 @@ from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
 from marinfs.objects import ObjectInfo, ObjectVersion
 from marinfs.recovery import Recovered, recover
-from marinfs.remote import Remote
+from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
 from marinfs.staging import StagedFile
 
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+PATH_MAX = 4096  # the longest symbolic link target the kernel passes (with its NUL)
 ROOT = ObjectInfo(name="", is_dir=True)
 
 # fallocate(2) modes (linux/falloc.h): only plain allocation and KEEP_SIZE have a meaning for
@@ -119,6 +120,9 @@ class Filesystem:
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
         self._own_mtimes: LRUCache[str, tuple[ObjectVersion, int]] = LRUCache(maxsize=65536)
+        # Link targets read from the remote (an S3 link's body), by key and the link's version:
+        # a link object that changed has a new version, so an old target is never answered.
+        self._link_targets: LRUCache[tuple[str, str], str] = LRUCache(maxsize=65536)
         self.failed_commits: list[FailedCommit] = []  # staged bytes kept on disk, retried
         # Commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
@@ -154,7 +158,7 @@ class Filesystem:
         if self.listings is not None:
             self.listings.note_miss(key)
         try:
-            info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key))
+            info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key), likely_link=self.metadata.was_link(key))
         except FileNotFoundError:
             self.metadata.put_missing(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
@@ -418,6 +422,8 @@ class Filesystem:
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
+        if info.link:  # the kernel resolves links before an open: only O_NOFOLLOW's answer here
+            raise FsError(errno.ELOOP, key)
         staged = self._acquire_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:
@@ -450,9 +456,16 @@ class Filesystem:
                 raise FsError(errno.EEXIST, key)
             return self.open(path, flags)
         self._require_dir(posixpath.dirname(key))
+        self._file_name_allowed(key)
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         staged = self._acquire_staged(key, None, truncate=False)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
+
+    def _file_name_allowed(self, key: str) -> None:
+        """Where links are ``NAME.rclonelink`` objects, a file of such a name would read back as
+        a link: EPERM, as for any other kind of file the store cannot hold."""
+        if self.remote.link_objects and key.endswith(LINK_SUFFIX):
+            raise FsError(errno.EPERM, f"{key}: names ending in {LINK_SUFFIX} are links on this store")
 
     def mknod(self, path: str, mode: int) -> None:
         """mknod(2): a regular file is an empty object, made as create + close make it. Fifos,
@@ -617,11 +630,77 @@ class Filesystem:
                 staged.truncate(offset + length)  # the new bytes are zeros, as on ext4
 
     # -- namespace -----------------------------------------------------------------------------
+    def symlink(self, target: str, path: str) -> None:
+        """symlink(2): ``path`` becomes a link whose content is ``target``, text that marinfs
+        stores in the backend's convention and never follows (the kernel resolves links)."""
+        self._writable()
+        key = key_of(path)
+        data = target.encode("utf-8", "surrogateescape")
+        if not data:
+            raise FsError(errno.ENOENT, "an empty link target")
+        if len(data) >= PATH_MAX:
+            raise FsError(errno.ENAMETOOLONG, "link target")
+        if not key or self._lookup_or_none(key) is not None:
+            raise FsError(errno.EEXIST, key)
+        self._require_dir(posixpath.dirname(key))
+        try:
+            version = self.remote.symlink(key, target)
+        finally:
+            self.metadata.forget(key)
+        if version is None:  # the store did not say: its stat, as a listing will show it
+            try:
+                info = self.remote.stat(key)
+            except FileNotFoundError:
+                self.metadata.invalidate(key)
+                return  # removed meanwhile by someone else
+        else:
+            # The PUT answered the version (S3 ETag, GCS generation): no stat needed. Its time
+            # is shown as ours for that version, as for a committed file (see _commit).
+            info = ObjectInfo(name=key, is_dir=False, size=len(data), mtime_ns=time.time_ns(), version=version,
+                              link=True, target=target)
+            with self._lock:
+                self._own_mtimes[key] = (version, info.mtime_ns)
+        self.metadata.put_own(info)
+
+    def readlink(self, path: str) -> str:
+        """The target text of link ``path``: from its stat where the store keeps it there (local
+        disks, GCS), else one small GET (an S3 link's body), cached with the link's version."""
+        key = key_of(path)
+        info = self.lookup(key)
+        if not info.link:
+            raise FsError(errno.EINVAL, f"{key} is not a symbolic link")
+        cache_key = (key, str(info.version)) if info.version is not None else None
+        if info.target is None and cache_key is not None:
+            with self._lock:
+                cached = self._link_targets.get(cache_key)
+            if cached is not None:
+                return cached
+        try:
+            target = self.remote.readlink(key, info)
+        except (FileNotFoundError, StaleVersionError):
+            self.metadata.invalidate(key)  # gone or changed since its stat: look again
+            info = self.lookup(key)
+            if not info.link:
+                raise FsError(errno.EINVAL, f"{key} is not a symbolic link") from None
+            target = self.remote.readlink(key, info)
+            cache_key = (key, str(info.version)) if info.version is not None else None
+        if info.target is None and cache_key is not None:
+            with self._lock:
+                self._link_targets[cache_key] = target
+        return target
+
     def unlink(self, path: str) -> None:
         self._writable()
         key = key_of(path)
-        if self.lookup(key).is_dir:
+        info = self.lookup(key)
+        if info.is_dir:
             raise FsError(errno.EISDIR, key)
+        if info.link:
+            try:
+                self.remote.delete_link(key)
+            finally:
+                self.metadata.invalidate(key)
+            return
         open_staged = self._staged.get(key)
         if open_staged is not None:
             open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
@@ -693,7 +772,19 @@ class Filesystem:
         else:
             if target is not None and target.is_dir:
                 raise FsError(errno.EISDIR, dst)
-            self._rename_file(src, dst)
+            if not info.link:
+                self._file_name_allowed(dst)
+            if target is not None and target.link != info.link and self.remote.link_objects:
+                # A link and a file of one name are different objects (x.rclonelink, x): the
+                # one replaced goes first. Not atomic, like every rename on an object store.
+                if target.link:
+                    self.remote.delete_link(dst)
+                else:
+                    self.unlink(new)
+            if info.link:
+                self.remote.rename_link(src, dst)
+            else:
+                self._rename_file(src, dst)
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
 

@@ -84,6 +84,8 @@ class FuseAdapter(fuse.Operations):
     def attrs(self, info: ObjectInfo) -> dict[str, int]:
         if info.is_dir:
             mode, nlink, size = stat.S_IFDIR | self.dir_mode, 2, 0
+        elif info.link:  # a link's size is its target's length, as lstat(2) tells on a disk
+            mode, nlink, size = stat.S_IFLNK | 0o777, 1, info.size
         else:
             mode, nlink, size = stat.S_IFREG | self.file_mode, 1, info.size
         t = self.dir_mtime_ns if info.is_dir else info.mtime_ns
@@ -118,7 +120,8 @@ class FuseAdapter(fuse.Operations):
             if known is not None:
                 entries.append((name, self.attrs(known), 0))
             else:
-                entries.append((name, {"st_mode": stat.S_IFDIR if info.is_dir else stat.S_IFREG}, 0))
+                kind = stat.S_IFDIR if info.is_dir else stat.S_IFLNK if info.link else stat.S_IFREG
+                entries.append((name, {"st_mode": kind}, 0))
         return entries
 
     @_errors
@@ -225,7 +228,13 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def symlink(self, target: str, source: str) -> int:
-        raise fuse.FuseOSError(errno.EPERM)  # objects have no symbolic links
+        """``ln -s source target``: the binding's names (``target`` is the new link's path)."""
+        self.fs.symlink(source, target)
+        return 0
+
+    @_errors
+    def readlink(self, path: str) -> str:
+        return self.fs.readlink(path)
 
     # -- extended attributes (fs.py says what each answers) ------------------------------------
     @_errors

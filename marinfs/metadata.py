@@ -67,7 +67,8 @@ class MetadataCache:
         self._missing: TTLCache[str, bool] = TTLCache(maxsize, negative_ttl or 1e-9, timer=timer)
         # Whether a key was a directory when last seen, kept past every TTL: a hint that makes
         # revalidating a known directory one request instead of two.
-        self._was_dir: LRUCache[str, bool] = LRUCache(maxsize)
+        # (And whether it was a symbolic link: revalidating one asks for its link object first.)
+        self._was_dir: LRUCache[str, str] = LRUCache(maxsize)
         # Directory -> tokens of its listings in flight that no local change has overtaken yet
         # (see begin_listing). Entries live only while a listing is in flight.
         self._fetching: dict[str, set[int]] = {}
@@ -75,7 +76,11 @@ class MetadataCache:
 
     def was_dir(self, key: str) -> bool:
         with self._lock:
-            return self._was_dir.get(key, False)
+            return self._was_dir.get(key) == "dir"
+
+    def was_link(self, key: str) -> bool:
+        with self._lock:
+            return self._was_dir.get(key) == "link"
 
     def is_immutable(self, key: str) -> bool:
         return any(p.match(key) for p in self._immutable)
@@ -89,7 +94,7 @@ class MetadataCache:
             return self._missing.get(key, False)
 
     def _put_locked(self, info: ObjectInfo) -> None:
-        self._was_dir[info.name] = info.is_dir
+        self._was_dir[info.name] = "dir" if info.is_dir else "link" if info.link else "file"
         if not info.is_dir and self._immutable and self.is_immutable(info.name):
             self._pinned[info.name] = info
             # Its directories exist as long as it does: resolving its path costs nothing either.

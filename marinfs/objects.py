@@ -122,3 +122,8 @@ class ObjectInfo:
     size: int = 0
     mtime_ns: int = 0
     version: ObjectVersion | None = None
+    # A symbolic link: ``size`` is its target's length in bytes; ``target`` is the target text
+    # when the stat or listing carried it (local disks, GCS metadata), None when it must be
+    # read (the body of an S3 ``.rclonelink`` object).
+    link: bool = False
+    target: str | None = None

@@ -4,6 +4,7 @@ outside the mounted prefix (docs/reliability.md has the table)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -19,6 +20,8 @@ import pytest
 
 from marinfs.daemon import state_file
 from marinfs.errors import UsageError
+from marinfs.fs import Filesystem
+from marinfs.remote import Remote
 from marinfs.mounts import MountEntry, convert
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
 
@@ -165,9 +168,8 @@ def test_allow_other_is_off_by_default_and_comes_with_default_permissions(shared
         assert listed.returncode == 0 and "public.txt" in listed.stdout
 
 
-@pytest.mark.mount
-def test_symbolic_links_in_a_local_remote_never_lead_outside_it(tmp_path: Path) -> None:
-    remote, outside, mnt = tmp_path / "remote", tmp_path / "outside", tmp_path / "mnt"
+def _tree_with_links_out(tmp_path: Path) -> tuple[Path, Path]:
+    remote, outside = tmp_path / "remote", tmp_path / "outside"
     (remote / "sub").mkdir(parents=True)
     outside.mkdir()
     (outside / "secret.txt").write_text("outside the prefix")
@@ -178,22 +180,61 @@ def test_symbolic_links_in_a_local_remote_never_lead_outside_it(tmp_path: Path) 
     os.symlink("sub", remote / "dir-in")
     os.symlink("sub/inside.txt", remote / "file-in")
     os.symlink(remote / "nowhere", remote / "dangling")
+    return remote, outside
+
+
+@pytest.mark.core
+def test_marinfs_never_reads_or_writes_through_a_link_out_of_a_local_remote(tmp_path: Path) -> None:
+    """Links are reported as links, their targets as text; marinfs's own I/O (reads, commits,
+    listings, removals, renames) never goes through a link that leads out of the prefix."""
+    remote_dir, outside = _tree_with_links_out(tmp_path)
+    fs = Filesystem(Remote(str(remote_dir)), tmp_path / "staging")
+    listed = {i.name: i for i in fs.readdir("/")}
+    assert sorted(listed) == ["dangling", "dir-in", "dir-out", "file-in", "file-out", "sub"]
+    assert all(listed[n].link for n in listed if n != "sub")
+    assert fs.readlink("/dir-out") == str(outside) and fs.readlink("/dangling") == str(remote_dir / "nowhere")
+    assert fs.readlink("/sub/relative-out") == "../../outside/secret.txt"
+    for path in ("/dir-out/secret.txt", "/file-out"):
+        with pytest.raises(OSError) as info:  # through the link: refused; the link itself: not a file
+            fs.read(fs.open(path, os.O_RDONLY), 100, 0)
+        assert info.value.errno in (errno.EACCES, errno.ELOOP)
+    for path in ("/dir-out", "/dir-out/x"):
+        with pytest.raises(OSError):
+            fs.readdir(path)
+    with pytest.raises(PermissionError):
+        fs.create("/dir-out/planted.txt", os.O_CREAT | os.O_WRONLY)
+    with pytest.raises(PermissionError):
+        fs.unlink("/dir-out/secret.txt")
+    with pytest.raises(PermissionError):
+        fs.rename("/dir-out/secret.txt", "/stolen.txt")
+    with pytest.raises(PermissionError):
+        fs.symlink("x", "/dir-out/planted-link")
+    fs.unlink("/file-out")  # removes the link, never what it leads to
+    fs.rename("/dir-out", "/moved-out")
+    assert os.readlink(remote_dir / "moved-out") == str(outside)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "outside the prefix"
+
+
+@pytest.mark.mount
+def test_symbolic_links_in_a_local_remote_are_links_the_kernel_resolves(tmp_path: Path) -> None:
+    """Through the mount a link is a link (lstat, readlink); following it is the kernel's
+    work, with the caller's own rights, as on the disk itself. No write lands outside."""
+    remote, outside = _tree_with_links_out(tmp_path)
+    mnt = tmp_path / "mnt"
     with subprocess_mount(str(remote), mnt, tmp_path / "cache"):
-        # Links that stay inside the prefix are followed; the rest are not shown, and asking
-        # for them by name is EACCES (dangling: ENOENT).
-        assert sorted(os.listdir(mnt)) == ["dir-in", "file-in", "sub"]
-        assert sorted(os.listdir(mnt / "sub")) == ["inside.txt"]
-        assert (mnt / "file-in").read_text() == "inside" and os.listdir(mnt / "dir-in") == ["inside.txt"]
-        for name in ("dir-out", "file-out", "sub/relative-out", "dir-out/secret.txt"):
-            # EACCES by name; ENOENT while its directory's (link-free) listing is fresh.
-            with pytest.raises((PermissionError, FileNotFoundError)):
-                (mnt / name).read_text()
+        assert sorted(os.listdir(mnt)) == ["dangling", "dir-in", "dir-out", "file-in", "file-out", "sub"]
+        assert sorted(os.listdir(mnt / "sub")) == ["inside.txt", "relative-out"]
+        for name in ("dir-out", "file-out", "sub/relative-out", "dir-in", "file-in", "dangling"):
+            assert os.readlink(mnt / name) == os.readlink(remote / name)
+            assert stat.S_ISLNK(os.lstat(mnt / name).st_mode)
+        assert (mnt / "file-in").read_text() == "inside" and sorted(os.listdir(mnt / "dir-in")) == ["inside.txt", "relative-out"]
         with pytest.raises(FileNotFoundError):
             os.stat(mnt / "dangling")
-        with pytest.raises(OSError):
-            (mnt / "dir-out/planted.txt").write_text("planted")
         for tool in (["find", str(mnt)], ["ls", "-lR", str(mnt)], ["du", "-s", str(mnt)]):
             assert subprocess.run(tool, capture_output=True, timeout=60).returncode == 0, tool
+        os.unlink(mnt / "dir-out")
+    assert not os.path.lexists(remote / "dir-out")
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
     assert (outside / "secret.txt").read_text() == "outside the prefix"
 

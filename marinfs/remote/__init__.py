@@ -9,13 +9,13 @@ from typing import Any
 
 from marinfs.config import RemoteSettings
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
-from marinfs.remote.base import TMP_PREFIX, Remote, RequestStats, is_precondition_failure, is_transient
+from marinfs.remote.base import LINK_SUFFIX, TMP_PREFIX, Remote, RequestStats, is_precondition_failure, is_transient
 from marinfs.remote.gcs import GCSRemote
 from marinfs.remote.generic import GenericRemote, MemoryRemote
 from marinfs.remote.local import LocalRemote
 from marinfs.remote.s3 import S3Remote
 
-__all__ = ["ABSENT", "TMP_PREFIX", "GCSRemote", "GenericRemote", "LocalRemote", "MemoryRemote", "ObjectInfo",
+__all__ = ["ABSENT", "LINK_SUFFIX", "TMP_PREFIX", "GCSRemote", "GenericRemote", "LocalRemote", "MemoryRemote", "ObjectInfo",
            "ObjectVersion", "Remote", "RequestStats", "S3Remote", "is_precondition_failure", "is_transient",
            "open_remote"]
 

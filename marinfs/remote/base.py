@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
 import fsspec
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # Temporary names used for atomic commits on local disks; never shown in listings.
 TMP_PREFIX = ".marinfs-tmp-"
+# rclone's convention for a symbolic link on a store without them (``rclone --links``): an
+# object ``NAME.rclonelink`` whose body is the link's target. Its key says what it is, so a
+# listing shows links without a request more; its size is the target's length.
+LINK_SUFFIX = ".rclonelink"
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -150,6 +155,9 @@ class Remote:
     object_store: ClassVar[bool] = False  # directories are prefixes, empty ones need a marker
     streams: ClassVar[bool] = False  # commits can be sent in parts while a file is written
     _root_default: ClassVar[str] = ""  # what an empty path after the protocol means
+    # Symbolic links are ``NAME.rclonelink`` objects (rclone's convention); local disks have
+    # real ones and GCS keeps gcsfuse's (an empty object with the target in its metadata).
+    link_objects: ClassVar[bool] = True
 
     def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -308,17 +316,41 @@ class Remote:
         """Nothing to probe on a generic backend: its first request tells."""
 
     # -- metadata ------------------------------------------------------------------------------
-    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         """The object or directory at ``key``; FileNotFoundError when neither exists.
         ``likely_dir`` (it was a directory last time) lets object stores ask the cheaper
-        question first."""
-        raw = self._call("head", self.fs.info, self.full(key))
-        if raw.get("islink"):
-            followed = self._followed(raw)
-            if followed is None:  # full() let it through: it leads nowhere
-                raise FileNotFoundError(errno.ENOENT, "a dangling symbolic link", self.url + "/" + key)
-            raw = followed
+        question first; ``likely_link`` (a link last time) asks for its link object first."""
+        if likely_link:
+            link = self._stat_link(key)
+            if link is not None:
+                return link
+        try:
+            if self._reserved(key):
+                raise FileNotFoundError(errno.ENOENT, "a link's own object is not a file", key)
+            raw = self._call("head", self.fs.info, self.full(key))
+        except FileNotFoundError:
+            link = self._stat_link(key)
+            if link is None:
+                raise
+            return link
         return self._info_of(raw, key)
+
+    def _reserved(self, key: str) -> bool:
+        """Whether ``key`` names a link's own object (``x.rclonelink`` is the link ``x``), which
+        is never shown as a file of that name."""
+        return self.link_objects and key.endswith(LINK_SUFFIX)
+
+    def _stat_link(self, key: str) -> ObjectInfo | None:
+        """The link ``key`` (its ``key.rclonelink`` object), or None when there is none."""
+        if not self.link_objects or not key:
+            return None
+        try:
+            raw = self._call("head", self.fs.info, self.full(key) + LINK_SUFFIX)
+        except FileNotFoundError:
+            return None
+        if raw.get("type") == "directory":
+            return None
+        return replace(self._info_of(raw, key), link=True)
 
     def _list_entries(self, full: str) -> list[dict[str, Any]]:
         """The fsspec entries of one delimited listing of ``full``."""
@@ -329,6 +361,7 @@ class Remote:
         full = self.full(key)
         entries = self._list_entries(full)
         result: dict[str, ObjectInfo] = {}
+        links: dict[str, ObjectInfo] = {}
         for raw in entries:
             path = raw["name"].rstrip("/")
             if path == full.rstrip("/"):
@@ -336,25 +369,59 @@ class Remote:
             name = posixpath.basename(path)
             if not name or name.startswith(TMP_PREFIX) or not _reachable(name):
                 continue
+            if self._reserved(name) and raw.get("type") != "directory":
+                name = name[: -len(LINK_SUFFIX)]  # x.rclonelink is the link x
+                if name and _reachable(name) and not name.startswith(TMP_PREFIX):
+                    child = key + "/" + name if key else name
+                    links[name] = replace(self._info_of(raw, child), link=True)
+                continue
             child = key + "/" + name if key else name
-            if raw.get("islink"):
-                followed = self._followed(raw)
-                if followed is None:
-                    continue  # leads outside the prefix, or nowhere: not shown
-                raw = followed
-            info = self._info_of(raw, child)
+            info = self._link_info(raw, child) if raw.get("islink") else self._info_of(raw, child)
             # An object "a" and a prefix "a/" can coexist in object stores: show the directory.
             if name in result and result[name].is_dir:
                 continue
             result[name] = info
+        for name, link in links.items():
+            # A directory or a regular object of the same name wins, as stat() finds it first.
+            result.setdefault(name, link)
         if not entries and key:
             self._confirm_dir(key)
         return list(result.values())
 
-    def _followed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
-        """A symbolic link as what it leads to, or None to leave it out (only local disks
-        have them)."""
+    def _link_info(self, raw: dict[str, Any], key: str) -> ObjectInfo:
+        """A listing entry the filesystem reports as a symbolic link (local disks)."""
+        return self._info_of(raw, key)
+
+    # -- symbolic links ------------------------------------------------------------------------
+    # A link's target is text: nothing here ever follows one.
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
+        """Make ``key`` a symbolic link to ``target``; FileExistsError if ``key.rclonelink``
+        exists (the caller checked ``key`` itself). Answers the new version if known."""
+        full = self.full(key) + LINK_SUFFIX
+        if self._call("head", self.fs.exists, full):
+            raise FileExistsError(errno.EEXIST, "a link of that name exists", key)
+        self._call("put", self.fs.pipe_file, full, target.encode("utf-8", "surrogateescape"))
         return None
+
+    def readlink(self, key: str, info: ObjectInfo) -> str:
+        """The target of link ``key`` as ``info`` (its stat) found it: from the stat where it
+        carried the target, else one GET of the link object's small body."""
+        if info.target is not None:
+            return info.target
+        return self._link_body(key, info).decode("utf-8", "surrogateescape")
+
+    def _link_body(self, key: str, info: ObjectInfo) -> bytes:
+        data = self._call("get", self.fs.cat_file, self.full(key) + LINK_SUFFIX)
+        self.stats.add_bytes(bytes_in=len(data))
+        return data
+
+    def delete_link(self, key: str) -> None:
+        self._call("delete", self.fs.rm_file, self.full(key) + LINK_SUFFIX)
+
+    def rename_link(self, src: str, dst: str) -> None:
+        """Rename link ``src`` (copy then delete of its object)."""
+        self._call("copy", self.fs.cp_file, self.full(src) + LINK_SUFFIX, self.full(dst) + LINK_SUFFIX)
+        self.delete_link(src)
 
     def _confirm_dir(self, key: str) -> None:
         """fsspec lists a missing prefix as empty on some backends; a listing is of a dir."""

@@ -1,12 +1,17 @@
 """Google Cloud Storage through gcsfs: versions are generations, commits carry
 ``ifGenerationMatch`` (0: the object must not exist), big files go as resumable uploads.
 
+Symbolic links follow gcsfuse's standard: an empty object named like the link, whose custom
+metadata ``gcsfuse_symlink_target`` is the target. Listings carry each object's metadata, so a
+listing shows links without a request more.
+
 gcsfs answers HTTP 412 with FileExistsError, on any request: that is how a failed precondition
 is recognised here.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -15,18 +20,20 @@ from urllib.parse import quote
 
 import fsspec.asyn
 
-from marinfs.errors import StaleVersionError
-from marinfs.objects import ObjectVersion, gcs_match
+from marinfs.errors import PreconditionFailed, StaleVersionError
+from marinfs.objects import ObjectInfo, ObjectVersion, gcs_match
 from marinfs.remote.base import _exactly, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.uploads import Counter, Runner
 
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
+SYMLINK_METADATA = "gcsfuse_symlink_target"  # gcsfuse's key for a link's target
 
 
 class GCSRemote(ObjectStoreRemote):
     protocols = ("gs", "gcs")
     version_kind = "generation"
+    link_objects = False  # gcsfuse's links: SYMLINK_METADATA on an empty object
 
     def _prepare_environment(self) -> None:
         if os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -60,6 +67,40 @@ class GCSRemote(ObjectStoreRemote):
         return isinstance(exc, FileExistsError) or super()._is_precondition_failure(exc)
 
     # -- metadata ------------------------------------------------------------------------------
+    def _info_of(self, raw: dict[str, Any], key: str | None = None) -> ObjectInfo:
+        info = super()._info_of(raw, key)
+        target = (raw.get("metadata") or {}).get(SYMLINK_METADATA) if not info.is_dir else None
+        if target is None:
+            return info
+        return ObjectInfo(name=info.name, is_dir=False, size=len(target.encode("utf-8", "surrogateescape")),
+                          mtime_ns=info.mtime_ns, version=info.version, link=True, target=target)
+
+    # -- symbolic links (gcsfuse's) ------------------------------------------------------------
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
+        """One upload of an empty object with the target in its metadata; it must not exist
+        (``ifGenerationMatch=0``). Answers its generation."""
+        try:
+            out = self._call("put", self.fs.pipe_file, self.full(key), b"", metadata={SYMLINK_METADATA: target},
+                             mode="create")
+        except PreconditionFailed:
+            raise FileExistsError(errno.EEXIST, "an object of that name exists", key) from None
+        generation = (out or {}).get("generation") if isinstance(out, dict) else None
+        return ObjectVersion("generation", str(generation)) if generation else None
+
+    def readlink(self, key: str, info: ObjectInfo) -> str:
+        if info.target is not None:
+            return info.target
+        fresh = self.stat(key)
+        if not fresh.link or fresh.target is None:
+            raise FileNotFoundError(errno.ENOENT, "not a symbolic link any more", key)
+        return fresh.target
+
+    def delete_link(self, key: str) -> None:
+        self.delete(key)
+
+    def rename_link(self, src: str, dst: str) -> None:
+        self.rename(src, dst)  # a copy keeps the object's metadata
+
     def _head_object(self, full: str) -> dict[str, Any]:
         return fsspec.asyn.sync(self.fs.loop, self.fs._get_object, full)
 

@@ -9,8 +9,11 @@ import errno
 import os
 from typing import Any, ClassVar
 
-from marinfs.objects import ObjectInfo, ObjectVersion
-from marinfs.remote.base import MiB, Remote
+from dataclasses import replace
+
+from marinfs.errors import PreconditionFailed
+from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
+from marinfs.remote.base import LINK_SUFFIX, MiB, Remote
 from marinfs.uploads import S3_MAX_PARTS, PartSession, upload_file
 
 
@@ -44,22 +47,36 @@ class ObjectStoreRemote(Remote, abc.ABC):
         self._call("list", self.fs.ls, bucket + "/", detail=False)
 
     # -- metadata ------------------------------------------------------------------------------
-    def stat(self, key: str, likely_dir: bool = False) -> ObjectInfo:
+    def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         """On object stores a file costs one request (a HEAD, or GCS's metadata GET) and a
         directory two (that HEAD, then a one-key delimited LIST), where fsspec's ``info`` spends
         two to three on either. ``likely_dir`` (it was a directory last time) asks the LIST
-        first, so revalidating a known directory costs one request."""
+        first, so revalidating a known directory costs one request. A symbolic link
+        (``key.rclonelink``, rclone's convention) is one HEAD after those: a miss costs it too;
+        ``likely_link`` (a link last time) asks it first, so revalidating a link costs one."""
         if not key:
             return super().stat(key)
         full = self.full(key)
+        if likely_link and self.link_objects:  # a link last time: one HEAD of key.rclonelink
+            try:
+                return replace(self._info_of(self._call("head", self._head_object, full + LINK_SUFFIX), key), link=True)
+            except FileNotFoundError:
+                pass
         if likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)  # was a directory last time: one LIST
-        try:
-            return self._info_of(self._call("head", self._head_object, full), key)
-        except FileNotFoundError:
-            pass
+        if not self._reserved(key):
+            try:
+                return self._info_of(self._call("head", self._head_object, full), key)
+            except FileNotFoundError:
+                pass
         if not likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)
+        if self.link_objects:
+            try:
+                raw = self._call("head", self._head_object, full + LINK_SUFFIX)
+                return replace(self._info_of(raw, key), link=True)
+            except FileNotFoundError:
+                pass
         raise FileNotFoundError(errno.ENOENT, "no such object or prefix", self.url + "/" + key)
 
     @abc.abstractmethod
@@ -72,6 +89,20 @@ class ObjectStoreRemote(Remote, abc.ABC):
 
     def _is_marker(self, raw: dict[str, Any], name: str) -> bool:
         return name.endswith("/")
+
+    # -- symbolic links ------------------------------------------------------------------------
+    def symlink(self, key: str, target: str) -> ObjectVersion | None:
+        """One PUT of ``key.rclonelink`` that must not exist yet (checked by the server)."""
+        if not self.link_objects:
+            raise NotImplementedError
+        try:
+            return self._put_small(target.encode("utf-8", "surrogateescape"), key + LINK_SUFFIX, ABSENT)
+        except PreconditionFailed:
+            raise FileExistsError(errno.EEXIST, "a link of that name exists", key) from None
+
+    def _link_body(self, key: str, info: ObjectInfo) -> bytes:
+        """One GET of the version the stat saw (S3 ``If-Match``)."""
+        return self.read_range(key + LINK_SUFFIX, 0, info.size, info.version) if info.size else b""
 
     # -- commits -------------------------------------------------------------------------------
     def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
