@@ -15,17 +15,16 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import marinfs.fs as fs_module
 from marinfs.fs import FALLOC_FL_KEEP_SIZE, XATTR_URL, XATTR_VERSION, Filesystem
 from marinfs.remote import Remote
-from mounting import Mounted, subprocess_mount
 import tiers
+from mounting import Mounted, subprocess_mount
+from test_core import fs, put, raises_errno  # noqa: F401 - fs is a fixture
 
 MiB = 1 << 20
 CREAT = os.O_CREAT | os.O_WRONLY
@@ -33,23 +32,6 @@ FALLOC_FL_PUNCH_HOLE, FALLOC_FL_COLLAPSE_RANGE, FALLOC_FL_ZERO_RANGE = 0x02, 0x0
 KERNEL_NAMES = ("security.selinux", "security.capability", "system.posix_acl_access",
                 "system.posix_acl_default", "trusted.overlay.opaque")
 NOBODY = 65534
-
-
-def raises_errno(code: int) -> AbstractContextManager[Any]:
-    return pytest.raises(OSError, check=lambda e: e.errno == code)
-
-
-@pytest.fixture
-@tiers.needs("core")
-def fs(remote: Remote, tmp_path: Path) -> Filesystem:
-    return Filesystem(remote, staging_dir=tmp_path / "staging")
-
-
-def put(remote: Remote, key: str, data: bytes) -> None:
-    parent = os.path.dirname(key)
-    if parent:
-        remote.fs.makedirs(remote.full(parent), exist_ok=True)
-    remote.fs.pipe_file(remote.full(key), data)
 
 
 def cat(remote: Remote, key: str) -> bytes:
