@@ -40,6 +40,16 @@ def stage(tmp_path: Path, remote: Remote, key: str, data: bytes, base: str | Non
     return staged
 
 
+def close_failing(fs: Filesystem, path: str, data: bytes, error: type[OSError] = OSError) -> None:
+    """Write ``data`` to a new file whose commit fails (``error`` from the flush), then close it:
+    the bytes stay staged and the failure goes on the retry list."""
+    fh = fs.create(path, os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, data, 0)
+    with pytest.raises(error):
+        fs.flush(fh)
+    fs.release(fh)
+
+
 def test_journal_exists_exactly_while_bytes_are_uncommitted(tmp_path: Path, remote: Remote) -> None:
     staged = StagedFile(tmp_path / "staging", "k", seed=None, remote_url=remote.url)
     assert not Path(staged.journal_path).exists()  # nothing to commit yet
@@ -152,11 +162,7 @@ def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: 
         return real_upload(local_path, key, expect)
 
     monkeypatch.setattr(remote, "upload", upload)
-    fh = fs.create("/first", os.O_WRONLY | os.O_CREAT)
-    fs.write(fh, b"first bytes", 0)
-    with pytest.raises(OSError):
-        fs.flush(fh)
-    fs.release(fh)
+    close_failing(fs, "/first", b"first bytes")
     assert [f["key"] for f in fs.upload_status()["failed"]] == ["first"]
     second = fs.create("/second", os.O_WRONLY | os.O_CREAT)  # open while the pass starts
     fs.write(second, b"second bytes", 0)
@@ -201,11 +207,7 @@ def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
         return real_upload(local_path, key, expect)
 
     monkeypatch.setattr(remote, "upload", upload)
-    fh = fs.create("/ckpt", os.O_WRONLY | os.O_CREAT)
-    fs.write(fh, b"kept bytes", 0)
-    with pytest.raises(type(error)):
-        fs.flush(fh)
-    fs.release(fh)
+    close_failing(fs, "/ckpt", b"kept bytes", type(error))
     for _ in range(3):
         fs.retry_failed_commits()
     (failed,) = fs.upload_status()["failed"]
@@ -227,11 +229,7 @@ def test_a_transient_commit_failure_is_retried_and_reported_each_time(
         raise ConnectionResetError(errno.ECONNRESET, "injected: reset")
 
     monkeypatch.setattr(remote, "upload", upload)
-    fh = fs.create("/f", os.O_WRONLY | os.O_CREAT)
-    fs.write(fh, b"x", 0)
-    with pytest.raises(OSError):
-        fs.flush(fh)
-    fs.release(fh)
+    close_failing(fs, "/f", b"x")
     fs.retry_failed_commits()
     fs.retry_failed_commits()
     (failed,) = fs.upload_status()["failed"]
