@@ -312,7 +312,9 @@ class Filesystem:
                 return
         try:
             # Normally flush committed already; this catches writes that raced the last close.
-            self._commit(staged)
+            # Bytes whose commit just failed go straight to the retry list (the retry loop).
+            if not staged.failed_unchanged:
+                self._commit(staged)
         except Exception:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
             pass  # logged below, once, if the bytes stay uncommitted
         with self._lock:
@@ -538,6 +540,7 @@ class Filesystem:
         except BaseException as exc:
             self.metadata.invalidate(key)
             staged.failures += 1
+            staged.failed_changes = staged.changes
             staged.last_error = exc
             raise
         finally:

@@ -73,6 +73,8 @@ class StagedFile:
         self.base_size = base_size  # the remote size, valid until seeded
         self.dirty = False
         self.unlinked = False
+        self.changes = 0  # writes, truncates and renames so far
+        self.failed_changes = -1  # ``changes`` when a commit last failed
         if dirty:  # a new or truncated file: it is committed even if nothing is written
             self._mark_dirty()
         self.mtime_ns = time.time_ns()
@@ -84,6 +86,12 @@ class StagedFile:
         self.stream: PartStream | None = None
         if stream is not None and seed is None:
             self.stream = stream(self.fd, key, self.expected)
+
+    @property
+    def failed_unchanged(self) -> bool:
+        """A commit of exactly these bytes failed already (close said so): committing again at
+        release would only hold the writer's release for another round of timeouts."""
+        return self.failures > 0 and self.failed_changes == self.changes
 
     @property
     def expected(self) -> ObjectVersion:
@@ -138,6 +146,7 @@ class StagedFile:
 
     def _mark_dirty(self) -> None:
         self.dirty = True
+        self.changes += 1
         if self._journaled or self.remote_url is None or self.unlinked:
             return
         write_journal(self.journal_path, {"remote": self.remote_url, "key": self.key,

@@ -512,7 +512,10 @@ def test_fs_read_only(remote: Remote, tmp_path: Path) -> None:
 
 def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
     def failing_upload(local_path: str, key: str, expect: str | None = None) -> None:
+        calls.append(key)
         raise OSError(errno.EIO, "injected upload failure")
 
     monkeypatch.setattr(remote, "upload", failing_upload)
@@ -520,15 +523,36 @@ def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
     fs.write(fh, b"unsaved", 0)
     with raises_errno(errno.EIO):
         fs.flush(fh)
-    fs.release(fh)  # cannot report; must keep the bytes
+    fs.release(fh)  # cannot report; must keep the bytes, and not try the same bytes again
+    assert calls == ["f"]  # the retry loop tries next, not the release (it would hold it for the timeouts)
     kept = staging_files(fs)
     data = [p for p in kept if not p.name.endswith(".journal.json")]
     assert len(data) == 1 and data[0].read_bytes() == b"unsaved" and cat(remote, "f") is None
     (journal,) = [p for p in kept if p.name.endswith(".journal.json")]  # says what to commit, where
     assert json.loads(journal.read_text())["key"] == "f"
     (failed,) = fs.upload_status()["failed"]
-    assert failed["key"] == "f" and failed["staged"] == str(data[0]) and failed["attempts"] == 2
+    assert failed["key"] == "f" and failed["staged"] == str(data[0]) and failed["attempts"] == 1
     assert "injected upload failure" in failed["error"] and not failed["permanent"]
+
+
+def test_fs_bytes_written_after_a_failed_flush_are_committed_at_release(
+        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_upload, broken = remote.upload, [True]
+
+    def upload(local_path: str, key: str, expect: Any = None) -> Any:
+        if broken:
+            raise OSError(errno.EIO, "injected upload failure")
+        return real_upload(local_path, key, expect)
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fh = fs.create("/f", CREAT)
+    fs.write(fh, b"first", 0)
+    with raises_errno(errno.EIO):
+        fs.flush(fh)
+    broken.clear()
+    fs.write(fh, b"+more", 5)  # changed since the failure: release commits it
+    fs.release(fh)
+    assert cat(remote, "f") == b"first+more" and fs.upload_status()["failed"] == [] and staging_files(fs) == []
 
 
 def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> None:

@@ -211,7 +211,7 @@ def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
     for _ in range(3):
         fs.retry_failed_commits()
     (failed,) = fs.upload_status()["failed"]
-    assert failed["key"] == "ckpt" and failed["permanent"] and failed["attempts"] == 5
+    assert failed["key"] == "ckpt" and failed["permanent"] and failed["attempts"] == 4
     assert str(error.strerror) in failed["error"] and Path(failed["staged"]).read_bytes() == b"kept bytes"
     loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(loud) == 1 and "will not pass by retrying" in loud[0] and "\n" not in loud[0], loud
@@ -233,6 +233,6 @@ def test_a_transient_commit_failure_is_retried_and_reported_each_time(
     fs.retry_failed_commits()
     fs.retry_failed_commits()
     (failed,) = fs.upload_status()["failed"]
-    assert not failed["permanent"] and failed["attempts"] == 4 and "reset" in failed["error"]
+    assert not failed["permanent"] and failed["attempts"] == 3 and "reset" in failed["error"]
     assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == ["ERROR", "WARNING", "WARNING"]
     assert "retrying" in format_failed(failed)
