@@ -10,7 +10,7 @@ strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS, and me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _PREFIXES = {"e": "etag", "g": "generation", "m": "mtime"}
 _UNVERSIONED = "unversioned-"
@@ -127,3 +127,49 @@ class ObjectInfo:
     # read (the body of an S3 ``.rclonelink`` object).
     link: bool = False
     target: str | None = None
+    # The persisted POSIX metadata (mode, owner, mtime, user xattrs). None: this answer did not
+    # carry it (an S3 listing before its directory record is applied); PosixAttrs(): it did, and
+    # nothing is set (the mount's defaults show).
+    posix: PosixAttrs | None = None
+
+
+@dataclass(frozen=True)
+class PosixAttrs:
+    """What chmod, chown, utimens and setxattr(user.*) stored for one file or directory.
+
+    Only what a tool set is stored; a field left None shows the mount's default (its
+    ``--file-mode``/``--dir-mode``, uid, gid; the object's own timestamp). ``mode`` is the
+    permission bits with setuid/setgid/sticky (``& 0o7777``), never the file type. ``xattrs`` are
+    ``user.*`` names and values, sorted by name, so equal attributes compare equal.
+    """
+
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    mtime_ns: int | None = None
+    xattrs: tuple[tuple[str, bytes], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and not 0 <= self.mode <= 0o7777:
+            raise ValueError(f"mode {self.mode:o} is not permission bits")
+        if list(self.xattrs) != sorted(dict(self.xattrs).items()):
+            raise ValueError("xattrs must be unique and sorted by name")
+
+    @property
+    def empty(self) -> bool:
+        return self == NO_ATTRS
+
+    def with_xattr(self, name: str, value: bytes | None) -> PosixAttrs:
+        """A copy with ``name`` set to ``value`` (None: removed)."""
+        items = dict(self.xattrs)
+        if value is None:
+            items.pop(name, None)
+        else:
+            items[name] = value
+        return replace(self, xattrs=tuple(sorted(items.items())))
+
+    def xattr(self, name: str) -> bytes | None:
+        return dict(self.xattrs).get(name)
+
+
+NO_ATTRS = PosixAttrs()
