@@ -205,7 +205,9 @@ class Filesystem:
             raise FsError(errno.ENOTDIR, key)
         children = self.metadata.get_listing(key)
         if children is None and self.listings is not None:
-            children = self.listings.wait(key)
+            # A background listing that landed between the lookup above and wait() is gone
+            # from the pending set by now, but cached: look again before listing it twice.
+            children = self.listings.wait(key) or self.metadata.get_listing(key)
         if children is None:
             token = self.metadata.begin_listing(key)
             try:
