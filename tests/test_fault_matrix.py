@@ -153,7 +153,7 @@ def test_server_down_at_close_is_eio_then_committed_within_one_retry_interval(st
         assert code == errno.EIO and waited < CALL_BOUND, (code, waited)
         wait_for(lambda: [f["key"] for f in failed_uploads(mnt, s.env)] == ["ckpt.bin"], within=CALL_BOUND + 5)
         (failed,) = failed_uploads(mnt, s.env)
-        assert failed["attempts"] >= 2 and failed["error"] and not failed["permanent"]
+        assert failed["attempts"] >= 1 and failed["error"] and not failed["permanent"]
         assert Path(failed["staged"]).read_bytes() == data and len(journals(cache)) == 1
         assert s.cat("ckpt.bin") is None
         s.proxy.restart()
