@@ -48,7 +48,7 @@ import tiers
 
 KiB = 1 << 10
 CHUNK = 64 * KiB  # the smallest chunk size: files of a few hundred KiB span several chunks
-EXAMPLES = int(os.environ.get("MARINFS_MODEL_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("MARINFS_MODEL_EXAMPLES", "8"))
 STEPS = int(os.environ.get("MARINFS_MODEL_STEPS", "40"))
 BACKENDS = os.environ.get("MARINFS_MODEL_BACKENDS", "local,s3").split(",")
 # The same machine on the Filesystem core (memory and local, no FUSE): a bigger budget, fast tier.
