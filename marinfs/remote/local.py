@@ -10,7 +10,6 @@ the prefix, so a mount never becomes a way out of the tree it was given.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import posixpath
 import stat
@@ -21,7 +20,6 @@ from marinfs.errors import UsageError
 from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import TMP_PREFIX, Remote
 
-log = logging.getLogger(__name__)
 XATTR_PREFIX = "user."
 
 
