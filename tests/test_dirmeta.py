@@ -1,0 +1,388 @@
+"""The directory record (marinfs/dirmeta.py): its format, what listings cost, coalesced and
+conditional writes, two nodes writing one directory. Against an in-memory store fake that
+checks preconditions like S3 (unit tier), and against marinfs's remotes (core: memory://,
+objectstore: SeaweedFS)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from marinfs.dirmeta import RECORD_NAME, DirRecords, decode, encode, record_key
+from marinfs.errors import PreconditionFailed, RemoteError
+from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+
+
+class FakeStore:
+    """read_small/put_small with honest conditional semantics: each write gets a new version;
+    a put whose ``expect`` is not the current version (ABSENT: any object) fails."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, ObjectVersion]] = {}
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self._n = 0
+        self.fail_puts = 0  # the next N puts fail as a network error would
+        self.unversioned = False  # puts answer None (a store that does not say)
+
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        with self.lock:
+            self.counts["get"] += 1
+            if key not in self.objects:
+                raise FileNotFoundError(key)
+            return self.objects[key]
+
+    def put_small(self, key: str, data: bytes, expect: ObjectVersion) -> ObjectVersion | None:
+        with self.lock:
+            self.counts["put"] += 1
+            if self.fail_puts:
+                self.fail_puts -= 1
+                raise RemoteError("put failed after its retries")
+            current = self.objects.get(key)
+            if (current is None) != expect.absent or (current is not None and current[1] != expect):
+                self.counts["412"] += 1
+                raise PreconditionFailed(key)
+            return self._store(key, data, None if self.unversioned else ...)
+
+    def _store(self, key: str, data: bytes, answer: object = ...) -> ObjectVersion | None:
+        self._n += 1
+        version = ObjectVersion("generation", str(self._n))
+        self.objects[key] = (data, version)
+        return version if answer is ... else None
+
+    def raw_put(self, key: str, data: bytes) -> ObjectVersion:
+        """Another tool's unconditional write."""
+        with self.lock:
+            version = self._store(key, data)
+            assert version is not None
+            return version
+
+    def version(self, key: str) -> ObjectVersion | None:
+        with self.lock:
+            return self.objects[key][1] if key in self.objects else None
+
+
+def v(n: int) -> ObjectVersion:
+    return ObjectVersion("generation", str(n))
+
+
+def files(dir_key: str, store: FakeStore, **versions: int) -> list[ObjectInfo]:
+    """A listing of ``dir_key``: the named files at those versions, plus the record if any."""
+    prefix = dir_key + "/" if dir_key else ""
+    out = [ObjectInfo(name=prefix + n, is_dir=False, size=1, version=v(g)) for n, g in versions.items()]
+    rv = store.version(record_key(dir_key))
+    if rv is not None:
+        out.append(ObjectInfo(name=record_key(dir_key), is_dir=False, size=10, version=rv))
+    return out
+
+
+def by_name(listing: list[ObjectInfo]) -> dict[str, PosixAttrs | None]:
+    return {i.name.rsplit("/", 1)[-1]: i.posix for i in listing}
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore()
+
+
+@pytest.fixture
+def records(store: FakeStore):
+    r = DirRecords(store, flush_delay=3600)  # written only by flush(): deterministic
+    yield r
+    r.close(timeout=5)
+
+
+MODE = PosixAttrs(mode=0o600)
+FULL = PosixAttrs(mode=0o4755, uid=1000, gid=0, mtime_ns=1_700_000_000_123_456_789,
+                  xattrs=(("user.bin", b"\x00\xff\n"), ("user.empty", b""), ("user.text", "é".encode())))
+
+
+# -- the format ----------------------------------------------------------------------------------
+def test_encode_decode_round_trip() -> None:
+    entries = {"a": ("g1", FULL), "b": ("eabc", MODE), "sub/": (None, PosixAttrs(uid=7)), "ü ñ": ("g2", MODE)}
+    data = encode(entries)
+    assert decode(data) == entries
+    assert encode(decode(data)) == data  # canonical: equal records are equal bytes
+    import json
+    doc = json.loads(data)
+    assert doc["v"] == 1 and doc["entries"]["b"] == {"version": "eabc", "mode": 0o600}  # only what is set
+    assert doc["entries"]["sub/"] == {"uid": 7}  # a directory has no version
+    assert doc["entries"]["a"]["xattrs"] == {"user.bin": "AP8K", "user.empty": "", "user.text": "w6k="}
+    assert decode(encode({})) == {}
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"v": 2, "entries": {}}',
+                                  b'{"entries": {"a": {"version": "g1", "mode": 1}}}', b'{"v": 1, "entries": []}'])
+def test_a_corrupt_record_decodes_empty_with_one_warning(data: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+        assert decode(data, "d/" + RECORD_NAME) == {}
+    assert len(caplog.records) == 1
+
+
+def test_bad_entries_are_left_out_and_the_rest_kept(caplog: pytest.LogCaptureFixture) -> None:
+    data = (b'{"v": 1, "entries": {"ok": {"version": "g1", "mode": 420},'
+            b' "noversion": {"mode": 420}, "mode": {"version": "g1", "mode": 99999},'
+            b' "neg": {"version": "g1", "uid": -1}, "bool": {"version": "g1", "gid": true},'
+            b' "b64": {"version": "g1", "xattrs": {"user.x": "***"}}, "a/b": {"version": "g1"},'
+            b' "..": {"version": "g1"}, "": {"version": "g1"}, "list": [1], "d/": {"version": "x", "mode": 448}}}')
+    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+        assert decode(data) == {"ok": ("g1", PosixAttrs(mode=0o644)), "d/": (None, PosixAttrs(mode=0o700))}
+    assert len(caplog.records) == 1
+
+
+# -- listings ------------------------------------------------------------------------------------
+def test_a_listing_without_record_costs_nothing_and_shows_defaults(store: FakeStore, records: DirRecords) -> None:
+    listing = records.apply("d", files("d", store, a=1, b=2) + [ObjectInfo(name="d/sub", is_dir=True)])
+    assert by_name(listing) == {"a": NO_ATTRS, "b": NO_ATTRS, "sub": NO_ATTRS}
+    assert store.counts == {}
+
+
+def test_apply_reads_the_record_once_per_version(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE), "sub/": (None, FULL)}))
+    listing = files("d", store, a=1, b=2) + [ObjectInfo(name="d/sub", is_dir=True)]
+    shown = records.apply("d", listing)
+    assert by_name(shown) == {"a": MODE, "b": NO_ATTRS, "sub": FULL}  # the record itself is hidden
+    assert store.counts["get"] == 1
+    for _ in range(3):  # the listed version is the cached one: no request
+        assert by_name(records.apply("d", listing)) == by_name(shown)
+    assert store.counts["get"] == 1
+    store.raw_put("d/" + RECORD_NAME, encode({"b": ("g2", MODE)}))  # another node changed it
+    assert by_name(records.apply("d", files("d", store, a=1, b=2))) == {"a": NO_ATTRS, "b": MODE}
+    assert store.counts["get"] == 2
+
+
+def test_an_entry_of_other_bytes_is_not_applied(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE), "b": ("g2", MODE)}))
+    shown = by_name(records.apply("d", files("d", store, a=1, b=9)))  # b rewritten by another tool
+    assert shown == {"a": MODE, "b": NO_ATTRS}
+    assert records.cached("d", "b", v(9)) is None and records.cached("d", "a", v(1)) == MODE
+    assert records.cached("d", "a", None) is None  # a file of unknown version matches nothing
+
+
+def test_a_corrupt_record_shows_defaults(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("d/" + RECORD_NAME, b'{"v": 1, "entries": {"a": ')
+    assert by_name(records.apply("d", files("d", store, a=1))) == {"a": NO_ATTRS}
+    records.set("d", "a", v(1), MODE)  # the next change replaces it
+    assert records.flush(5)
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {"a": ("g1", MODE)}
+
+
+def test_an_unreadable_record_leaves_posix_unknown(store: FakeStore, records: DirRecords,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE)}))
+    listing = files("d", store, a=1)
+
+    def broken(key: str) -> tuple[bytes, ObjectVersion]:
+        raise RemoteError("get failed after its retries")
+
+    store.read_small = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+        assert by_name(records.apply("d", listing)) == {"a": None}
+    assert caplog.records
+
+
+def test_the_root_directory_has_a_record_too(store: FakeStore, records: DirRecords) -> None:
+    records.set("", "top", v(3), MODE)
+    assert records.flush(5)
+    assert RECORD_NAME in store.objects
+    fresh = DirRecords(store)
+    assert by_name(fresh.apply("", files("", store, top=3))) == {"top": MODE}
+
+
+# -- writes --------------------------------------------------------------------------------------
+def test_own_changes_show_before_they_are_written(store: FakeStore, records: DirRecords) -> None:
+    records.set("d", "a", v(1), MODE)
+    records.set("d", "sub/", None, FULL)
+    assert records.cached("d", "a", v(1)) == MODE and records.cached("d", "a", v(2)) is None
+    assert records.cached("d", "sub/", None) == FULL
+    listing = files("d", store, a=1) + [ObjectInfo(name="d/sub", is_dir=True)]
+    assert by_name(records.apply("d", listing)) == {"a": MODE, "sub": FULL}
+    assert store.counts["put"] == 0
+    assert records.flush(5)
+    assert store.counts["put"] == 1 and records.cached("d", "a", v(1)) == MODE
+    assert by_name(records.apply("d", files("d", store, a=1) + [ObjectInfo(name="d/sub", is_dir=True)])) == \
+        {"a": MODE, "sub": FULL}
+    assert store.counts["get"] == 0  # the record we wrote is the one listed
+
+
+def test_many_changes_in_one_window_are_one_put(store: FakeStore) -> None:
+    records = DirRecords(store, flush_delay=0.1)
+    try:
+        for i in range(500):
+            records.set("d", f"f{i}", v(i + 1), PosixAttrs(mode=0o600 + i % 8))
+        records.set("d", "f0", v(1), FULL)  # the last change of a name wins
+        records.forget("d", "f1")
+        records.set("e", "x", v(7), MODE)  # another directory: its own PUT
+        deadline = time.monotonic() + 10
+        while records.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert store.counts["put"] == 2 and store.counts["get"] == 0  # new records: PUT if absent
+        entries = decode(store.objects["d/" + RECORD_NAME][0])
+        assert len(entries) == 499 and entries["f0"] == ("g1", FULL) and "f1" not in entries
+    finally:
+        records.close(5)
+
+
+def test_the_window_is_timed_by_the_injected_clock(store: FakeStore) -> None:
+    now = [0.0]
+    records = DirRecords(store, flush_delay=5.0, clock=lambda: now[0])
+    try:
+        records.set("d", "a", v(1), MODE)
+        time.sleep(0.2)
+        assert store.counts["put"] == 0  # 0.2 s of real time, none of the clock's
+        now[0] = 10.0
+        records.set("e", "b", v(2), MODE)  # wakes the flusher, which finds d due
+        deadline = time.monotonic() + 5
+        while "d/" + RECORD_NAME not in store.objects and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "d/" + RECORD_NAME in store.objects and "e/" + RECORD_NAME not in store.objects
+    finally:
+        records.close(5)
+    assert "e/" + RECORD_NAME in store.objects  # close flushes
+
+
+def test_empty_attrs_and_forget_remove_the_entry(store: FakeStore, records: DirRecords) -> None:
+    records.set("d", "a", v(1), MODE)
+    records.set("d", "b", v(2), MODE)
+    assert records.flush(5)
+    records.set("d", "a", v(1), NO_ATTRS)
+    records.forget("d", "b")
+    assert records.cached("d", "b", v(2)) is None
+    assert records.flush(5)
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {}  # written empty
+    with pytest.raises(ValueError):
+        records.set("d", "c", None, MODE)  # a file's entry must name its version
+
+
+def test_removals_never_create_a_record(store: FakeStore, records: DirRecords) -> None:
+    records.forget("d", "gone")
+    assert records.flush(5)
+    assert store.counts == {"get": 1}  # read once: there is none, nothing to write
+    records.forget("d", "gone2")
+    assert records.flush(5)
+    assert store.counts == {"get": 1} and not store.objects
+
+
+def test_an_unchanged_record_is_not_written_again(store: FakeStore, records: DirRecords) -> None:
+    records.set("d", "a", v(1), MODE)
+    assert records.flush(5)
+    records.set("d", "a", v(1), MODE)
+    assert records.flush(5)
+    assert store.counts["put"] == 1
+
+
+def test_two_nodes_changing_one_directory_both_survive(store: FakeStore) -> None:
+    one, two = DirRecords(store, flush_delay=3600), DirRecords(store, flush_delay=3600)
+    try:
+        one.set("d", "shared", v(5), MODE)
+        assert one.flush(5)
+        for node in (one, two):  # both know the record at its current version
+            node.apply("d", files("d", store, a=1, b=2, shared=5))
+        one.set("d", "a", v(1), MODE)
+        two.set("d", "b", v(2), FULL)
+        two.set("d", "shared", v(5), NO_ATTRS)
+        assert one.flush(5) and two.flush(5)  # two's If-Match fails: it re-reads and merges
+        assert store.counts["412"] == 1
+        assert decode(store.objects["d/" + RECORD_NAME][0]) == {"a": ("g1", MODE), "b": ("g2", FULL)}
+        assert by_name(one.apply("d", files("d", store, a=1, b=2, shared=5))) == \
+            {"a": MODE, "b": FULL, "shared": NO_ATTRS}
+    finally:
+        one.close(5)
+        two.close(5)
+
+
+def test_many_nodes_racing_for_a_new_record_lose_nothing(store: FakeStore) -> None:
+    nodes = [DirRecords(store, flush_delay=0.01) for _ in range(4)]
+    start = threading.Barrier(len(nodes))
+
+    def work(i: int, node: DirRecords) -> None:
+        start.wait()
+        for j in range(20):
+            node.set("d", f"n{i}-{j}", v(100 * i + j + 1), MODE)
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=work, args=(i, n)) for i, n in enumerate(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for node in nodes:
+        for _ in range(10):  # bounded attempts per flush: a loser tries again at the next
+            if node.flush(10):
+                break
+        node.close(5)
+    entries = decode(store.objects["d/" + RECORD_NAME][0])
+    assert set(entries) == {f"n{i}-{j}" for i in range(4) for j in range(20)}
+
+
+def test_a_failed_write_is_kept_and_retried(store: FakeStore, records: DirRecords,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    store.fail_puts = 1
+    records.set("d", "a", v(1), MODE)
+    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+        assert not records.flush(5)
+    assert caplog.records and records.pending() == 1
+    assert records.cached("d", "a", v(1)) == MODE  # still this node's
+    records.set("d", "b", v(2), MODE)
+    assert records.flush(5)
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {"a": ("g1", MODE), "b": ("g2", MODE)}
+    assert records.pending() == 0
+
+
+def test_a_store_that_does_not_say_the_version(store: FakeStore, records: DirRecords) -> None:
+    store.unversioned = True
+    records.set("d", "a", v(1), MODE)
+    assert records.flush(5)
+    records.set("d", "b", v(2), MODE)
+    assert records.flush(5)  # reads the record first for a version to expect
+    assert store.counts["412"] == 0 and store.counts["get"] == 1
+    assert set(decode(store.objects["d/" + RECORD_NAME][0])) == {"a", "b"}
+
+
+def test_move_takes_the_attributes_along(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("src/" + RECORD_NAME, encode({"f": ("g1", FULL), "keep": ("g2", MODE), "sub/": (None, MODE)}))
+    records.move("src", "f", "dst", "g", v(30))  # the source record never read here: read at flush
+    records.move("src", "sub/", "src", "sub2/", None)
+    records.move("src", "plain", "dst", "plain", v(31))  # nothing set on it: nothing to take
+    assert records.flush(5)
+    # One GET (the source record, for all three moves), one PUT per directory (dst: a new record).
+    assert store.counts == {"get": 1, "put": 2}
+    assert decode(store.objects["src/" + RECORD_NAME][0]) == {"keep": ("g2", MODE), "sub2/": (None, MODE)}
+    assert decode(store.objects["dst/" + RECORD_NAME][0]) == {"g": ("g30", FULL)}
+    assert records.cached("dst", "g", v(30)) == FULL and records.cached("src", "f", v(1)) is None
+    records.move("dst", "g", "src", "f", v(40))  # known now: moves at once, no request
+    assert records.cached("src", "f", v(40)) == FULL
+    assert records.flush(5) and store.counts == {"get": 1, "put": 4}
+
+
+def test_move_of_a_change_not_yet_written(store: FakeStore, records: DirRecords) -> None:
+    records.set("d", "a", v(1), MODE)
+    records.move("d", "a", "d", "b", v(2))
+    assert records.cached("d", "b", v(2)) == MODE and records.cached("d", "a", v(1)) is None  # at once
+    assert records.flush(5)
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {"b": ("g2", MODE)}
+    assert store.counts["put"] == 1
+
+
+def test_close_flushes_and_stops_the_thread(store: FakeStore) -> None:
+    records = DirRecords(store, flush_delay=3600)
+    records.set("d", "a", v(1), MODE)
+    thread = records._thread
+    assert thread is not None and thread.is_alive()
+    assert records.close(5)
+    assert not thread.is_alive()
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {"a": ("g1", MODE)}
+    records.set("d", "b", v(2), MODE)  # a change after close starts it again
+    assert records.close(5)
+    assert set(decode(store.objects["d/" + RECORD_NAME][0])) == {"a", "b"}
+
+
+def test_nothing_to_do_starts_no_thread(store: FakeStore) -> None:
+    records = DirRecords(store)
+    records.apply("d", files("d", store, a=1))
+    assert records._thread is None and records.flush(1) and records.close(1)
