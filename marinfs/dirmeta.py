@@ -203,8 +203,9 @@ class DirRecords:
         self._forced_ok = True  # whether that round wrote everything
 
     # -- reads ---------------------------------------------------------------------------------
-    def apply(self, dir_key: str, children: list[ObjectInfo]) -> list[ObjectInfo]:
-        """The listing of ``dir_key`` without its record, each child with ``posix`` set.
+    def apply(self, dir_key: str, children: list[ObjectInfo], files: bool = True) -> list[ObjectInfo]:
+        """The listing of ``dir_key`` without its record, each child with ``posix`` set
+        (``files`` False: directories only, where listings carry the files' own, as on GCS).
 
         Costs no request when the listing has no record or its listed version is the cached
         one, else one GET. A child without a valid entry gets ``PosixAttrs()`` (nothing set:
@@ -225,6 +226,9 @@ class DirRecords:
             overlay = self._overlay_locked(dir_key)
         out = []
         for child in rest:
+            if not files and not child.is_dir:
+                out.append(child)
+                continue
             name = split_key(child.name)[1] + ("/" if child.is_dir else "")
             if name in overlay:
                 attrs = _valid(overlay[name], child.version, child.is_dir) or NO_ATTRS
@@ -346,6 +350,63 @@ class DirRecords:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="marinfs-dirmeta", daemon=True)
             self._thread.start()
+
+    # -- by key (what a Remote calls) ----------------------------------------------------------
+    def fill(self, info: ObjectInfo, repair: bool = False) -> ObjectInfo:
+        """A stat's answer with the record's attributes where the object carried none (a
+        directory always; a file whose HEAD had no metadata), from what this node knows: no
+        request. ``repair``: a file whose HEAD carried attributes that its directory's existing
+        record lacks (a crash between the object's update and the record's flush) gets its
+        entry queued again."""
+        if not info.name:
+            return info
+        dir_key, name = split_key(info.name)
+        if info.is_dir:
+            attrs = self.cached(dir_key, name + "/", None)
+            return info if attrs is None else replace(info, posix=attrs)
+        if info.posix is None or info.posix.empty:
+            attrs = self.cached(dir_key, name, info.version)
+            return info if attrs is None else replace(info, posix=attrs)
+        if repair and info.version is not None and not info.link:
+            with self._lock:
+                record = self._records.get(dir_key)
+                known = self._known_locked(dir_key, name)
+            stale = known is not None and known[0] != (str(info.version), info.posix)
+            if stale and record is not None and record.version != ABSENT:
+                self.set(dir_key, name, info.version, info.posix)
+        return info
+
+    def set_key(self, key: str, version: ObjectVersion | str | None, attrs: PosixAttrs | None,
+                is_dir: bool = False) -> None:
+        """:meth:`set` by key. ``attrs`` None or empty on a file removes an entry this node
+        knows of (a plain commit: a request only where there is one to remove). The prefix
+        itself ("") has no parent to keep its entry: nothing is kept."""
+        if not key:
+            return
+        dir_key, name = split_key(key)
+        if is_dir:
+            self.set(dir_key, name + "/", None, attrs or NO_ATTRS)
+        elif attrs is not None and not attrs.empty:
+            self.set(dir_key, name, version, attrs)
+        else:
+            with self._lock:
+                known = self._known_locked(dir_key, name)
+            if known is not None and known[0] is not None:
+                self.forget(dir_key, name)
+
+    def forget_key(self, key: str, is_dir: bool = False) -> None:
+        """:meth:`forget` by key (a file deleted, a directory removed)."""
+        dir_key, name = split_key(key)
+        self.forget(dir_key, name + "/" if is_dir else name)
+        if is_dir:
+            with self._lock:
+                self._records.pop(key, None)
+
+    def move_key(self, src: str, dst: str, version: ObjectVersion | str | None, is_dir: bool = False) -> None:
+        """:meth:`move` by key (a directory's own entry when ``is_dir``)."""
+        (src_dir, src_name), (dst_dir, dst_name) = split_key(src), split_key(dst)
+        slash = "/" if is_dir else ""
+        self.move(src_dir, src_name + slash, dst_dir, dst_name + slash, version)
 
     # -- flushing ------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

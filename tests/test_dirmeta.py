@@ -386,3 +386,46 @@ def test_nothing_to_do_starts_no_thread(store: FakeStore) -> None:
     records = DirRecords(store)
     records.apply("d", files("d", store, a=1))
     assert records._thread is None and records.flush(1) and records.close(1)
+
+
+def test_listings_that_carry_file_metadata_get_only_directory_entries(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE), "sub/": (None, FULL)}))
+    own = PosixAttrs(uid=5)
+    listing = [ObjectInfo(name="d/a", is_dir=False, version=v(1), posix=own), ObjectInfo(name="d/sub", is_dir=True)]
+    listing += files("d", store)
+    assert by_name(records.apply("d", listing, files=False)) == {"a": own, "sub": FULL}  # as GCS lists them
+
+
+def test_by_key(store: FakeStore, records: DirRecords) -> None:
+    records.set_key("d/a", v(1), MODE)
+    records.set_key("d/sub", None, FULL, is_dir=True)
+    records.set_key("", None, MODE, is_dir=True)  # the prefix itself has no parent: ignored by fill
+    stat = ObjectInfo(name="d/a", is_dir=False, version=v(1), posix=NO_ATTRS)  # a HEAD without metadata
+    assert records.fill(stat).posix == MODE
+    assert records.fill(ObjectInfo(name="d/sub", is_dir=True)).posix == FULL
+    assert records.fill(ObjectInfo(name="d/other", is_dir=True)).posix is None  # not known: no request
+    assert records.fill(ObjectInfo(name="", is_dir=True)).posix is None
+    records.move_key("d/a", "e/b", v(2))
+    records.move_key("d/sub", "e/sub2", None, is_dir=True)
+    assert records.cached("e", "b", v(2)) == MODE and records.cached("e", "sub2/", None) == FULL
+    records.set_key("e/b", v(3), None)  # a plain commit over it: its entry goes
+    assert records.cached("e", "b", v(2)) is None
+    records.forget_key("e/sub2", is_dir=True)
+    assert records.flush(5)
+    assert not store.objects  # every change undone before its flush: no record written, none there
+    before = dict(store.counts)
+    records.set_key("f/new", v(9), None)  # nothing known of it: no change queued, no request
+    assert records.flush(5) and store.counts == before and records._thread is not None
+
+
+def test_a_stat_that_carries_attributes_repairs_an_existing_record(store: FakeStore, records: DirRecords) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"other": ("g5", MODE)}))
+    records.apply("d", files("d", store, a=1, other=5))
+    head = ObjectInfo(name="d/a", is_dir=False, version=v(1), posix=FULL)  # updated; the record not (a crash)
+    assert records.fill(head, repair=True) == head
+    assert records.flush(5)
+    assert decode(store.objects["d/" + RECORD_NAME][0]) == {"a": ("g1", FULL), "other": ("g5", MODE)}
+    puts = store.counts["put"]
+    records.fill(head, repair=True)  # now in step: nothing to write
+    records.fill(ObjectInfo(name="e/x", is_dir=False, version=v(2), posix=FULL), repair=True)  # no record there
+    assert records.flush(5) and store.counts["put"] == puts
