@@ -396,6 +396,8 @@ class DirRecords:
 
     def forget_key(self, key: str, is_dir: bool = False) -> None:
         """:meth:`forget` by key (a file deleted, a directory removed)."""
+        if not key:
+            return
         dir_key, name = split_key(key)
         self.forget(dir_key, name + "/" if is_dir else name)
         if is_dir:
@@ -407,6 +409,27 @@ class DirRecords:
         (src_dir, src_name), (dst_dir, dst_name) = split_key(src), split_key(dst)
         slash = "/" if is_dir else ""
         self.move(src_dir, src_name + slash, dst_dir, dst_name + slash, version)
+
+    def may_have(self, key: str) -> bool:
+        """Whether file ``key`` may have an entry: this node knows one, or does not know its
+        directory's record (never read, or evicted)."""
+        dir_key, name = split_key(key)
+        with self._lock:
+            known = self._known_locked(dir_key, name)
+        return known is None or known[0] is not None
+
+    def drop(self, dir_key: str, timeout: float = 10.0) -> bool:
+        """Directory ``dir_key`` is gone: its queued changes are dropped (a flush would make its
+        record, and so its prefix, again) once a write in flight is done. Whether a record
+        may be left to delete (False only when this node knows there is none)."""
+        with self._wake:
+            self._pending.pop(dir_key, None)
+            self._since.pop(dir_key, None)
+            self._wake.wait_for(lambda: dir_key not in self._inflight, timeout)
+            self._pending.pop(dir_key, None)  # a failed write puts its changes back
+            self._since.pop(dir_key, None)
+            record = self._records.pop(dir_key, None)
+        return record is None or record.version != ABSENT
 
     # -- flushing ------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -485,6 +508,7 @@ class DirRecords:
                 written = False
             with self._lock:
                 del self._inflight[dir_key]
+                self._wake.notify_all()  # drop() may wait for it
                 if written:
                     self._failures.pop(dir_key, None)
                 else:  # changes queued since then are newer: they win

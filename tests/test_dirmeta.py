@@ -429,3 +429,208 @@ def test_a_stat_that_carries_attributes_repairs_an_existing_record(store: FakeSt
     records.fill(head, repair=True)  # now in step: nothing to write
     records.fill(ObjectInfo(name="e/x", is_dir=False, version=v(2), posix=FULL), repair=True)  # no record there
     assert records.flush(5) and store.counts["put"] == puts
+
+
+# -- wired into the remotes (core: memory://; objectstore: SeaweedFS) -----------------------------
+import errno as _errno  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import tiers  # noqa: E402
+from conftest import object_store  # noqa: E402
+from marinfs.errors import FsError  # noqa: E402
+from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote  # noqa: E402
+from marinfs.remote.recorded import hooks_missing  # noqa: E402
+from mounting import fsspec_client  # noqa: E402
+
+
+class Peer:
+    """Another client of the same prefix (raw fsspec: no marinfs), and a way to make a second
+    marinfs node of it."""
+
+    def __init__(self, url: str, options: dict) -> None:
+        self.url, self.options = url, options
+        self.fs, self.root = fsspec_client(url, {**options, "use_listings_cache": False})
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(f"{self.root}/{rel}", data)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(f"{self.root}/{rel}"))
+
+    def node(self) -> Remote:
+        return Remote(self.url, self.options)
+
+
+@pytest.fixture(params=["memory", "s3"])
+@tiers.needs("core")
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[Remote, Peer]]:
+    """A fresh prefix on memory:// or SeaweedFS, as a marinfs Remote and as another client."""
+    if request.param == "memory":
+        url, options = f"memory://dirmeta-{uuid.uuid4().hex[:12]}", {}
+    else:
+        url, options, _ = object_store(request, "s3")
+    remote = Remote(url, options)
+    if request.param == "memory":
+        remote.fs.mkdir(remote.root)
+    try:
+        yield remote, Peer(url, options)
+    finally:
+        remote.close()
+
+
+def _file(tmp_path: Path, data: bytes = b"x") -> str:
+    path = tmp_path / f"src-{uuid.uuid4().hex[:8]}"
+    path.write_bytes(data)
+    return str(path)
+
+
+def _counts(remote: Remote) -> dict[str, int]:
+    return dict(remote.stats.snapshot()["requests"])
+
+
+def test_every_backend_with_records_calls_their_hooks() -> None:
+    for cls in (S3Remote, GCSRemote, MemoryRemote):
+        assert hooks_missing(cls) == [], "call self._recorded_*() (or super()) in these: remote/recorded.py"
+
+
+def test_a_listing_costs_its_lists_and_one_get(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    n = 120 if remote.protocol == "memory" else 40
+    src = _file(tmp_path)
+    for i in range(n):
+        remote.upload(src, f"d/f{i:03}", ABSENT, attrs=PosixAttrs(mode=0o600 + i % 64, uid=i))
+    remote.make_dir("d/sub")
+    remote.set_dir_attrs("d/sub", PosixAttrs(mode=0o711))
+    assert remote.records.flush(10)
+    writer = _counts(remote)
+    assert writer.get("put", 0) <= n + 2 + 3  # the objects, the marker, the record once (or a few windows)
+
+    node = peer.node()  # another mount: nothing cached
+    try:
+        listing = node.list("d")
+        counts = _counts(node)
+        assert counts.get("head", 0) == 0 and counts.get("get") == 1, counts
+        assert counts.get("list", 0) >= 1 and set(counts) <= {"list", "get"}, counts
+        shown = {i.name: i.posix for i in listing}
+        assert RECORD_NAME not in {i.name.rsplit("/", 1)[-1] for i in listing}
+        assert len(shown) == n + 1
+        assert all(shown[f"d/f{i:03}"] == PosixAttrs(mode=0o600 + i % 64, uid=i) for i in range(n))
+        assert shown["d/sub"] == PosixAttrs(mode=0o711)
+        node.stats.reset()
+        node.list("d")  # the record did not change: the LIST alone
+        assert set(_counts(node)) == {"list"}
+    finally:
+        node.close()
+    remote.stats.reset()
+    remote.list("d")  # the writer knows the version it wrote: no GET either
+    assert set(_counts(remote)) == {"list"}
+
+
+def test_an_object_another_client_rewrote_shows_defaults(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    src = _file(tmp_path)
+    for name in ("a", "b"):
+        remote.upload(src, f"d/{name}", ABSENT, attrs=MODE)
+    assert remote.records.flush(10)
+    peer.put("d/b", b"other bytes")  # another tool: no metadata, a new version
+    node = peer.node()
+    try:
+        shown = {i.name: i.posix for i in node.list("d")}
+        assert shown == {"d/a": MODE, "d/b": NO_ATTRS}
+        assert node.stat("d/b").posix == NO_ATTRS  # not the record's: other bytes
+        assert node.stat("d/a").posix == MODE
+    finally:
+        node.close()
+
+
+def test_two_nodes_set_attrs_in_one_directory(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    other = peer.node()
+    try:
+        src = _file(tmp_path)
+        va = remote.upload(src, "d/a", ABSENT)
+        vb = other.upload(src, "d/b", ABSENT)
+        remote.list("d")
+        other.list("d")  # both know the directory has no record yet
+        remote.set_attrs("d/a", MODE, va)
+        other.set_attrs("d/b", FULL, vb)
+        assert remote.records.flush(10) and other.records.flush(10)  # the second: a 412, merged
+        node = peer.node()
+        try:
+            assert {i.name: i.posix for i in node.list("d")} == {"d/a": MODE, "d/b": FULL}
+        finally:
+            node.close()
+    finally:
+        other.close()
+
+
+def test_the_record_name_is_reserved(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    src = _file(tmp_path)
+    remote.upload(src, "d/a", ABSENT, attrs=MODE)
+    assert remote.records.flush(10)
+    assert peer.exists("d/" + RECORD_NAME)
+    for attempt in (lambda: remote.upload(src, "d/" + RECORD_NAME, None),
+                    lambda: remote.upload(src, RECORD_NAME, ABSENT),
+                    lambda: remote.rename("d/a", "d/" + RECORD_NAME),
+                    lambda: remote.make_dir("d/" + RECORD_NAME),
+                    lambda: remote.symlink("d/" + RECORD_NAME, "a")):
+        with pytest.raises(FsError) as err:
+            attempt()
+        assert err.value.errno == _errno.EPERM
+    with pytest.raises(FileNotFoundError):
+        remote.stat("d/" + RECORD_NAME)
+    assert [i.name for i in remote.list("d")] == ["d/a"]
+    assert remote.stat("d/a").posix == MODE
+
+
+def test_delete_rename_and_directories(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    src = _file(tmp_path)
+    remote.upload(src, "d/a", ABSENT, attrs=MODE)
+    remote.upload(src, "d/b", ABSENT, attrs=FULL)
+    remote.upload(src, "d/gone", ABSENT, attrs=MODE)
+    remote.make_dir("d/sub")
+    remote.set_dir_attrs("d/sub", PosixAttrs(mode=0o700))
+    remote.upload(src, "d/sub/x", ABSENT, attrs=PosixAttrs(uid=3))
+    assert remote.records.flush(10)
+    remote.delete("d/gone")
+    remote.rename("d/a", "d/a2")
+    remote.rename("d/b", "e/b")
+    remote.rename_tree("d/sub", "e/sub2")
+    assert remote.records.flush(10)
+
+    node = peer.node()
+    try:
+        assert {i.name: i.posix for i in node.list("d")} == {"d/a2": MODE}
+        assert {i.name: i.posix for i in node.list("e")} == {"e/b": FULL, "e/sub2": PosixAttrs(mode=0o700)}
+        assert {i.name: i.posix for i in node.list("e/sub2")} == {"e/sub2/x": PosixAttrs(uid=3)}
+        assert node.stat("e/sub2").posix == PosixAttrs(mode=0o700)  # e's record is cached by its listing
+        assert decode(node.read_small("d/" + RECORD_NAME)[0]).keys() == {"a2"}  # the rest removed
+    finally:
+        node.close()
+    assert not peer.exists("d/sub/" + RECORD_NAME)
+
+    # A directory emptied and removed takes its record along (else its prefix would stay).
+    remote.delete("e/sub2/x")
+    remote.remove_dir("e/sub2")
+    assert remote.records.flush(10)
+    assert not peer.exists("e/sub2/" + RECORD_NAME) and not peer.exists("e/sub2")
+    assert {i.name for i in remote.list("e")} == {"e/b"}
+
+
+def test_close_writes_what_is_queued(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    version = remote.upload(_file(tmp_path), "f", ABSENT)
+    remote.records.flush_delay = 3600  # only close() would write it
+    remote.set_attrs("f", FULL, version)
+    assert not peer.exists(RECORD_NAME)
+    remote.close()
+    assert peer.exists(RECORD_NAME)
+    node = peer.node()
+    try:
+        assert {i.name: i.posix for i in node.list("")} == {"f": FULL}
+    finally:
+        node.close()

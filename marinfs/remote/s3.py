@@ -21,6 +21,7 @@ from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, s3_match
 from marinfs.remote.base import _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
 from marinfs.uploads import Counter, Runner
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class S3Remote(ObjectStoreRemote):
+class S3Remote(Recorded, ObjectStoreRemote):
     protocols = ("s3", "s3a")
     version_kind = "etag"
 
