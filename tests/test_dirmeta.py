@@ -634,3 +634,33 @@ def test_close_writes_what_is_queued(backend: tuple[Remote, Peer], tmp_path: Pat
         assert {i.name: i.posix for i in node.list("")} == {"f": FULL}
     finally:
         node.close()
+
+
+def test_a_stat_repairs_the_record_a_crash_left_behind(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    src = _file(tmp_path)
+    remote.upload(src, "d/a", ABSENT, attrs=MODE)
+    version = remote.upload(src, "d/b", ABSENT, attrs=MODE)
+    assert remote.records.flush(10)
+    crashed = peer.node()
+    try:
+        crashed.records.flush_delay = 3600
+        version = crashed.set_attrs("d/b", FULL, version)  # the object updated...
+        assert crashed.records.drop("d")  # ...and the node gone before its record's flush
+    finally:
+        crashed.close()
+    node = peer.node()
+    try:
+        listed = {i.name: i.posix for i in node.list("d")}
+        # The record still has its entry for b; where the update kept the version (memory, as
+        # GCS) it applies, else b shows the defaults: never FULL before a stat has seen it.
+        assert listed["d/a"] == MODE and listed["d/b"] in (MODE, NO_ATTRS)
+        assert node.stat("d/b").posix == FULL  # the HEAD: the object's own
+        assert node.records.flush(10)  # the entry queued by that stat
+    finally:
+        node.close()
+    fresh = peer.node()
+    try:
+        assert {i.name: i.posix for i in fresh.list("d")} == {"d/a": MODE, "d/b": FULL}
+    finally:
+        fresh.close()

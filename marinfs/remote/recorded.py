@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 HOOKED = ("list", "stat", "upload", "set_attrs", "set_dir_attrs", "delete", "rename", "rename_tree",
           "remove_dir", "make_dir", "symlink", "close")
 
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for the last records (each PUT retried as every request)
 _records_lock = threading.Lock()  # creating one DirRecords per Remote (rare: once each)
 
 
@@ -59,8 +60,9 @@ class Recorded:
 
     def _recorded_stat(self, info: ObjectInfo) -> ObjectInfo:
         """A stat with what this node knows of its record entry, where the object said nothing
-        (directories; files whose HEAD had no metadata). No request."""
-        return self.records.fill(info)
+        (directories; files whose HEAD had no metadata). No request; a HEAD that carried
+        attributes a known record lacks queues the entry (the record's repair)."""
+        return self.records.fill(info, repair=not self.lists_posix)
 
     def _recorded_attrs(self, key: str, version: ObjectVersion | None, attrs: PosixAttrs | None,
                         metadata_only: bool = False) -> None:
@@ -186,7 +188,7 @@ class Recorded:
     def close(self) -> None:
         """Write what is queued (a bounded wait), then release the backend."""
         records: DirRecords | None = self.__dict__.get("_dir_records")
-        if records is not None and not records.close():
+        if records is not None and not records.close(CLOSE_TIMEOUT):
             log.warning("directory records not all written at close; their objects keep the metadata")
         super().close()  # type: ignore[misc]
 
