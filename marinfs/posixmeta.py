@@ -271,11 +271,13 @@ def to_gcs(attrs: PosixAttrs, previous: Mapping[str, str] | None = None) -> dict
 
 
 def from_gcs(metadata: Mapping[str, str] | None) -> PosixAttrs:
-    """What GCS custom metadata says: gcsfuse's and gsutil's keys first, rclone's after."""
+    """What GCS custom metadata says: gcsfuse's and gsutil's keys first, then rclone's (also
+    s3fs-fuse's, which writes the same names through GCS's S3 API)."""
     meta = _lower(metadata)
     gcsfuse = parse_mtime(meta.get(GCSFUSE_MTIME))
     return PosixAttrs(
-        mode=_first(parse_mode(meta.get(GSUTIL_MODE), decimal=False), parse_mode(meta.get(RCLONE_MODE), decimal=False)),
+        # rclone's ``mode`` (octal with its type), or s3fs-fuse's decimal through GCS's S3 API
+        mode=_first(parse_mode(meta.get(GSUTIL_MODE), decimal=False), parse_mode(meta.get(RCLONE_MODE))),
         uid=_first(parse_id(meta.get(GSUTIL_UID)), parse_id(meta.get(RCLONE_UID))),
         gid=_first(parse_id(meta.get(GSUTIL_GID)), parse_id(meta.get(RCLONE_GID))),
         mtime_ns=_first(gcsfuse, parse_mtime(meta.get(GSUTIL_MTIME)), parse_mtime(meta.get(RCLONE_MTIME))),

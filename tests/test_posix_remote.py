@@ -302,3 +302,229 @@ def test_generic_fsspec_keeps_no_posix_metadata(tmp_path: Path) -> None:
     assert not remote.fs.exists(remote.full("g"))  # nothing written
     remote.upload(_src(tmp_path), "g", None, attrs=NO_ATTRS)  # empty attrs: a plain upload
     assert [i.posix for i in remote.list("")] == [None, None]
+
+
+# -- S3 (SeaweedFS) and GCS (fake-gcs-server) ------------------------------------------------------
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[Remote, Any, str]]:
+    """(a Remote of a fresh prefix with 5 MiB parts, a direct fsspec client, the prefix's path)."""
+    from marinfs.config import RemoteSettings
+
+    url, options, _ = object_store(request, request.param)
+    remote = Remote(url, options, RemoteSettings(upload_part_size=5 * MiB))
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    try:
+        yield remote, client, root
+    finally:
+        remote.close()
+
+
+def raw_metadata(remote: Remote, client: Any, path: str) -> dict[str, str]:
+    """The object's user/custom metadata as the store holds it (another client's view)."""
+    if remote.protocol.startswith("s3"):
+        bucket, key = path.split("/", 1)
+        return dict(client.call_s3("head_object", Bucket=bucket, Key=key).get("Metadata") or {})
+    return dict(client.info(path).get("metadata") or {})
+
+
+def put_raw(remote: Remote, client: Any, path: str, data: bytes, metadata: dict[str, str],
+            content_type: str = "text/plain") -> None:
+    """Write an object the way another tool would, with its own metadata."""
+    if remote.protocol.startswith("s3"):
+        bucket, key = path.split("/", 1)
+        client.call_s3("put_object", Bucket=bucket, Key=key, Body=data, Metadata=metadata, ContentType=content_type)
+    else:
+        client.pipe_file(path, data, metadata=metadata, content_type=content_type)
+
+
+def record_gcs(remote: Remote) -> list[tuple[str, dict[str, Any]]]:
+    """Every GCS request the remote sends from now on, as (method, its keyword arguments):
+    fake-gcs-server ignores preconditions (ifGenerationMatch, ifMetagenerationMatch) and keeps
+    a key PATCHed to null as "" instead of removing it, so those are checked as asked."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    request = remote.fs._request
+
+    async def recording(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append((method.upper(), kwargs))
+        return await request(method, path, *args, **kwargs)
+
+    remote.fs._request = recording
+    return seen
+
+
+def content_type(remote: Remote, client: Any, path: str) -> str | None:
+    if remote.protocol.startswith("s3"):
+        bucket, key = path.split("/", 1)
+        return client.call_s3("head_object", Bucket=bucket, Key=key).get("ContentType")
+    return client.info(path).get("contentType")
+
+
+@pytest.mark.parametrize("size", [11, 6 * MiB], ids=["put", "parts"])
+def test_store_upload_with_attrs_writes_the_other_tools_keys(store: Any, tmp_path: Path, size: int) -> None:
+    remote, client, root = store
+    data = os.urandom(size)
+    version = remote.upload(_src(tmp_path, data), "f", ABSENT, attrs=FULL)
+    info = remote.stat("f")
+    assert info.posix == FULL and info.version == version
+    raw = raw_metadata(remote, client, f"{root}/f")
+    if remote.protocol.startswith("s3"):
+        assert raw["mode"] == str(stat.S_IFREG | 0o4750) and raw["mtime"] == "1577923200.123456789"
+        assert raw["uid"] == "1234" and raw["gid"] == "5678" and set(raw) == {"mode", "uid", "gid", "mtime", "xattr"}
+    else:
+        assert raw["gcsfuse_mtime"] == "2020-01-02T00:00:00.123456789Z" and raw["goog-reserved-posix-mode"] == "4750"
+        assert raw["goog-reserved-file-mtime"] == "1577923200" and raw["goog-reserved-posix-uid"] == "1234"
+    assert pm.decode_xattrs(raw["xattr"]) == dict(FULL.xattrs)
+    assert client.cat_file(f"{root}/f") == data
+    # No attrs: no metadata at all, as before.
+    remote.upload(_src(tmp_path, data), "plain", ABSENT)
+    assert raw_metadata(remote, client, f"{root}/plain") == {} and remote.stat("plain").posix == NO_ATTRS
+
+
+def test_store_set_attrs_is_metadata_only_and_conditional(store: Any, tmp_path: Path) -> None:
+    remote, client, root = store
+    s3 = remote.protocol.startswith("s3")
+    put_raw(remote, client, f"{root}/f", b"the bytes", {"custom": "kept", "mode": "33188"})
+    before = remote.stat("f")
+    assert before.posix == PosixAttrs(mode=0o644)
+    remote.stats.reset()
+    sent = [] if s3 else record_gcs(remote)
+    new = PosixAttrs(mode=0o600, uid=42, mtime_ns=T2020, xattrs=(("user.k", b"v"),))
+    after = remote.set_attrs("f", new, before.version)
+    counts = remote.stats.snapshot()["requests"]
+    assert counts == ({"copy": 1} if s3 else {"patch": 1}), counts  # the stat's HEAD/GET was reused
+    if not s3:
+        (method, kwargs), = sent
+        assert method == "PATCH" and kwargs["ifGenerationMatch"] == before.version.value
+        assert kwargs["ifMetagenerationMatch"] and kwargs["json"]["metadata"]["mode"] == "100600"  # rclone's, rewritten
+    assert remote.stats.bytes_out == 0
+    info = remote.stat("f")
+    assert info.posix == new and info.version == after
+    if not s3:
+        assert after == before.version  # the generation stays: cached chunks stay valid
+    raw = raw_metadata(remote, client, f"{root}/f")
+    assert raw["custom"] == "kept" and content_type(remote, client, f"{root}/f") == "text/plain"
+    assert client.cat_file(f"{root}/f") == b"the bytes"
+
+    # Without a recent stat: one HEAD/GET more. Fields now unset are removed.
+    remote._heads.clear() if s3 else remote._seen.clear()
+    remote.stats.reset()
+    again = remote.set_attrs("f", PosixAttrs(mode=0o640), after)
+    counts = remote.stats.snapshot()["requests"]
+    assert counts == ({"head": 1, "copy": 1} if s3 else {"head": 1, "patch": 1}), counts
+    assert remote.stat("f").posix == PosixAttrs(mode=0o640)
+    assert raw_metadata(remote, client, f"{root}/f").get("custom") == "kept"
+
+    # A stale version: PreconditionFailed, nothing changed. (fake-gcs-server would let a PATCH
+    # with a stale ifGenerationMatch through: forget what the stat saw, so the GET tells.)
+    remote.fs.pipe_file(f"{remote.root}/f", b"other bytes")  # another writer
+    if not s3:
+        remote._seen.clear()
+    for stale in (again, before.version):
+        with pytest.raises(PreconditionFailed):
+            remote.set_attrs("f", PosixAttrs(mode=0o777), stale)
+    assert remote.stat("f").posix == NO_ATTRS and client.cat_file(f"{root}/f") == b"other bytes"
+    with pytest.raises(FileNotFoundError):
+        remote.set_attrs("gone", new, None)
+    with pytest.raises(NotImplementedError):
+        remote.set_dir_attrs("", new)
+
+
+def test_store_list_carries_posix_on_gcs_only(store: Any, tmp_path: Path) -> None:
+    remote, client, root = store
+    remote.upload(_src(tmp_path), "d/f", ABSENT, attrs=PosixAttrs(mode=0o600, uid=7))
+    entries = {i.name: i for i in remote.list("d")}
+    if remote.protocol.startswith("s3"):
+        assert not remote.lists_posix and entries["d/f"].posix is None
+    else:
+        assert remote.lists_posix and entries["d/f"].posix == PosixAttrs(mode=0o600, uid=7)
+
+
+def test_store_rename_and_rename_tree_keep_attrs(store: Any, tmp_path: Path) -> None:
+    remote, client, root = store
+    attrs = PosixAttrs(mode=0o640, mtime_ns=T2020, xattrs=(("user.k", b"v"),))
+    remote.upload(_src(tmp_path), "a", ABSENT, attrs=attrs)
+    remote.rename("a", "b")
+    assert remote.stat("b").posix == attrs
+    remote.upload(_src(tmp_path), "t/x", ABSENT, attrs=attrs)
+    remote.rename_tree("t", "u")
+    assert remote.stat("u/x").posix == attrs
+
+
+def test_store_reads_what_s3fs_fuse_rclone_gcsfuse_and_gsutil_wrote(store: Any) -> None:
+    remote, client, root = store
+    if remote.protocol.startswith("s3"):
+        xattr = quote('{"user.mime":"dGV4dA=="}', safe="")
+        put_raw(remote, client, f"{root}/s3fs", b"x", {"mode": "33261", "uid": "1000", "gid": "1000",
+                                                      "mtime": "1577923200", "xattr": xattr})
+        put_raw(remote, client, f"{root}/rclone", b"x", {"mtime": "1577923200.5", "mode": "100600"})
+        assert remote.stat("s3fs").posix == PosixAttrs(mode=0o755, uid=1000, gid=1000, mtime_ns=T2020,
+                                                       xattrs=(("user.mime", b"text"),))
+        assert remote.stat("rclone").posix == PosixAttrs(mode=0o600, mtime_ns=T2020 + 500_000_000)
+    else:
+        put_raw(remote, client, f"{root}/gcsfuse", b"x", {"gcsfuse_mtime": "2020-01-02T00:00:00.25Z"})
+        put_raw(remote, client, f"{root}/gsutil", b"x", {"goog-reserved-file-mtime": "1577923200",
+                                                        "goog-reserved-posix-mode": "750",
+                                                        "goog-reserved-posix-uid": "3"})
+        put_raw(remote, client, f"{root}/rclone", b"x", {"mtime": "2020-01-02T00:00:00Z", "mode": "100644"})
+        assert remote.stat("gcsfuse").posix == PosixAttrs(mtime_ns=T2020 + 250_000_000)
+        assert remote.stat("gsutil").posix == PosixAttrs(mode=0o750, uid=3, mtime_ns=T2020)
+        assert remote.stat("rclone").posix == PosixAttrs(mode=0o644, mtime_ns=T2020)
+        # A patch rewrites rclone's keys in rclone's format, so rclone sees the new values too.
+        remote.set_attrs("rclone", PosixAttrs(mode=0o600), None)
+        raw = raw_metadata(remote, client, f"{root}/rclone")
+        assert raw.get("mode") == "100600" and raw.get("mtime") in (None, "")  # fake-gcs keeps a removed key as ""
+        assert remote.stat("rclone").posix == PosixAttrs(mode=0o600)
+
+
+def test_store_read_small_and_put_small(store: Any) -> None:
+    remote, client, root = store
+    s3 = remote.protocol.startswith("s3")
+    sent = [] if s3 else record_gcs(remote)
+    v1 = remote.put_small("d/.rec", b"one", ABSENT)
+    remote.stats.reset()
+    assert remote.read_small("d/.rec") == (b"one", v1)
+    assert remote.stats.snapshot()["requests"] == {"get": 1}  # body and version from one GET
+    if s3:  # (fake-gcs-server ignores ifGenerationMatch: what was asked is checked below)
+        with pytest.raises(PreconditionFailed):
+            remote.put_small("d/.rec", b"two", ABSENT)
+    remote.stats.reset()
+    v2 = remote.put_small("d/.rec", b"two", v1)
+    assert remote.stats.snapshot()["requests"] == {"put": 1}
+    if s3:
+        with pytest.raises(PreconditionFailed):
+            remote.put_small("d/.rec", b"three", v1)
+    else:
+        puts = [kw.get("ifGenerationMatch") for method, kw in sent if method == "POST"]
+        assert puts == ["0", v1.value]
+    assert remote.read_small("d/.rec") == (b"two", v2)
+    with pytest.raises(FileNotFoundError):
+        remote.read_small("d/nothing")
+
+
+def test_s3_past_the_copy_limit_set_attrs_and_copy_are_multipart_copies(request: pytest.FixtureRequest,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    from marinfs.remote import S3Remote
+
+    url, options, _ = object_store(request, "s3")
+    remote = Remote(url, options)
+    monkeypatch.setattr(S3Remote, "copy_limit", 4 * MiB)
+    monkeypatch.setattr(S3Remote, "copy_part_size", 5 * MiB)
+    data = os.urandom(12 * MiB)
+    version = remote.upload(_src(tmp_path, data), "big", ABSENT, attrs=PosixAttrs(mode=0o600))
+    remote.stats.reset()
+    after = remote.set_attrs("big", PosixAttrs(mode=0o640, uid=3), version)
+    counts = remote.stats.snapshot()["requests"]
+    assert counts.get("copy", 0) == 0 and counts["part"] == 5 and "put" not in counts, counts  # create, 3 parts, complete
+    info = remote.stat("big")
+    assert info.posix == PosixAttrs(mode=0o640, uid=3) and info.version == after
+    assert remote.read_range("big", 0, len(data)) == data
+    remote.rename("big", "big2")
+    assert remote.stat("big2").posix == PosixAttrs(mode=0o640, uid=3)
+    assert remote.read_range("big2", 0, len(data)) == data
+    with pytest.raises(PreconditionFailed):
+        remote.set_attrs("big2", NO_ATTRS, version)
+    remote.close()
