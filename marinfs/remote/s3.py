@@ -273,7 +273,9 @@ class S3Remote(Recorded, ObjectStoreRemote):
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such object", full) from None
         self._remember(full, _Head(etag, head.size, metadata, head.headers))
-        return ObjectVersion.etag(etag)
+        version = ObjectVersion.etag(etag)
+        self._recorded_attrs(key, version, attrs, metadata_only=True)  # the directory record's entry
+        return version
 
     def copy(self, src: str, dst: str) -> None:
         """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
