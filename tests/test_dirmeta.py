@@ -596,7 +596,9 @@ def test_delete_rename_and_directories(backend: tuple[Remote, Peer], tmp_path: P
     remote.set_dir_attrs("d/sub", PosixAttrs(mode=0o700))
     remote.upload(src, "d/sub/x", ABSENT, attrs=PosixAttrs(uid=3))
     assert remote.records.flush(10)
+    remote.upload(src, "d/plain", ABSENT)
     remote.delete("d/gone")
+    remote.rename("d/plain", "d/b2")  # over nothing: no entry to move
     remote.rename("d/a", "d/a2")
     remote.rename("d/b", "e/b")
     remote.rename_tree("d/sub", "e/sub2")
@@ -604,7 +606,7 @@ def test_delete_rename_and_directories(backend: tuple[Remote, Peer], tmp_path: P
 
     node = peer.node()
     try:
-        assert {i.name: i.posix for i in node.list("d")} == {"d/a2": MODE}
+        assert {i.name: i.posix for i in node.list("d")} == {"d/a2": MODE, "d/b2": NO_ATTRS}
         assert {i.name: i.posix for i in node.list("e")} == {"e/b": FULL, "e/sub2": PosixAttrs(mode=0o700)}
         assert {i.name: i.posix for i in node.list("e/sub2")} == {"e/sub2/x": PosixAttrs(uid=3)}
         assert node.stat("e/sub2").posix == PosixAttrs(mode=0o700)  # e's record is cached by its listing
@@ -619,6 +621,16 @@ def test_delete_rename_and_directories(backend: tuple[Remote, Peer], tmp_path: P
     assert remote.records.flush(10)
     assert not peer.exists("e/sub2/" + RECORD_NAME) and not peer.exists("e/sub2")
     assert {i.name for i in remote.list("e")} == {"e/b"}
+
+    # A file renamed over one with attributes takes their place with its own (none here).
+    remote.upload(src, "e/plain", ABSENT)
+    remote.rename("e/plain", "e/b")
+    assert remote.records.flush(10)
+    node = peer.node()
+    try:
+        assert {i.name: i.posix for i in node.list("e")} == {"e/b": NO_ATTRS}
+    finally:
+        node.close()
 
 
 def test_close_writes_what_is_queued(backend: tuple[Remote, Peer], tmp_path: Path) -> None:

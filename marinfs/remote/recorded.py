@@ -145,6 +145,8 @@ class Recorded:
             except FileNotFoundError:
                 version = None
             self.records.move_key(src, dst, version)
+        elif self.records.may_have(dst):  # a file replaced: its entry must not outlive it
+            self.records.forget_key(dst)
         super().delete(src)  # type: ignore[misc]
 
     def rename_tree(self, src: str, dst: str) -> None:
@@ -153,7 +155,7 @@ class Recorded:
         (a copy is a new version on some stores): per directory with a record, a LIST before
         and after and the record's GET and PUT."""
         self._refuse_record(dst)
-        before = self._tree_records(src)
+        before = {} if self.lists_posix else self._tree_records(src)  # (else entries are directories': kept)
         self.records.move_key(src, dst, None, is_dir=True)  # first: removing src forgets its entry
         super().rename_tree(src, dst)  # type: ignore[misc]
         for old_dir, valid in before.items():
