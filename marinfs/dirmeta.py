@@ -184,13 +184,15 @@ class DirRecords:
     """
 
     def __init__(self, store: RecordStore, flush_delay: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic, max_dirs: int = 10_000) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = 200_000) -> None:
         self.store = store
         self.flush_delay = flush_delay
         self.clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._records: LRUCache[str, _Record] = LRUCache(max_dirs)
+        # Records as last read or written, bounded by their entries (a few hundred bytes each):
+        # an evicted one costs its next listing a GET, nothing else.
+        self._records: LRUCache[str, _Record] = LRUCache(max_entries, getsizeof=lambda r: len(r.entries) + 1)
         self._pending: dict[str, dict[str, Op]] = {}  # dir -> name -> change, not yet sent
         self._since: dict[str, float] = {}  # dir -> when its oldest pending change was queued
         self._inflight: dict[str, dict[str, Op]] = {}  # dir -> the changes a PUT is sending now
@@ -219,7 +221,7 @@ class DirRecords:
         if listed is None:
             record = _Record(ABSENT, {})
             with self._lock:
-                self._records[dir_key] = record
+                self._remember_locked(dir_key, record)
         else:
             record = self._current(dir_key, listed.version)
         with self._lock:
@@ -260,8 +262,14 @@ class DirRecords:
         except FileNotFoundError:
             record = _Record(ABSENT, {})
         with self._lock:
-            self._records[dir_key] = record
+            self._remember_locked(dir_key, record)
         return record
+
+    def _remember_locked(self, dir_key: str, record: _Record) -> None:
+        if len(record.entries) < self._records.maxsize:
+            self._records[dir_key] = record
+        else:  # bigger than the whole cache: read each time
+            self._records.pop(dir_key, None)
 
     def cached(self, dir_key: str, name: str, version: ObjectVersion | str | None) -> PosixAttrs | None:
         """The attributes of child ``name`` (``name/`` for a directory) at ``version`` if this
@@ -562,7 +570,7 @@ class DirRecords:
                 record = self._read(dir_key)  # another node wrote it: their entries, ours on top
                 continue
             with self._lock:
-                self._records[dir_key] = _Record(version, merged)
+                self._remember_locked(dir_key, _Record(version, merged))
             return True
         log.warning("directory record of %r changed under %d attempts to write it", dir_key, PUT_ATTEMPTS)
         return False

@@ -676,3 +676,15 @@ def test_a_stat_repairs_the_record_a_crash_left_behind(backend: tuple[Remote, Pe
         assert {i.name: i.posix for i in fresh.list("d")} == {"d/a": MODE, "d/b": FULL}
     finally:
         fresh.close()
+
+
+def test_the_record_cache_is_bounded_by_entries(store: FakeStore) -> None:
+    records = DirRecords(store, max_entries=10)
+    for d in ("a", "b"):
+        store.raw_put(f"{d}/{RECORD_NAME}", encode({f"f{i}": (f"g{i}", MODE) for i in range(6)}))
+    big = f"c/{RECORD_NAME}"
+    store.raw_put(big, encode({f"f{i}": (f"g{i}", MODE) for i in range(20)}))  # more than the cache
+    for d in ("a", "b", "c", "a"):
+        assert by_name(records.apply(d, files(d, store, f1=1)))["f1"] == MODE
+    assert store.counts["get"] == 4  # a evicted by b (7 + 7 > 10), c never kept, a read again
+    assert records.apply("c", files("c", store, f1=1)) and store.counts["get"] == 5
