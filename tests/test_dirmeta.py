@@ -688,3 +688,19 @@ def test_the_record_cache_is_bounded_by_entries(store: FakeStore) -> None:
         assert by_name(records.apply(d, files(d, store, f1=1)))["f1"] == MODE
     assert store.counts["get"] == 4  # a evicted by b (7 + 7 > 10), c never kept, a read again
     assert records.apply("c", files("c", store, f1=1)) and store.counts["get"] == 5
+
+
+def test_a_directory_renamed_before_its_first_flush(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    remote.records.flush_delay = 3600
+    remote.upload(_file(tmp_path), "d/sub/x", ABSENT, attrs=MODE)  # queued, not written
+    remote.set_dir_attrs("d/sub", FULL)
+    remote.rename_tree("d/sub", "d/moved")
+    assert remote.records.flush(10)
+    assert not peer.exists("d/sub")  # nothing written under the old name
+    node = peer.node()
+    try:
+        assert {i.name: i.posix for i in node.list("d")} == {"d/moved": FULL}
+        assert {i.name: i.posix for i in node.list("d/moved")} == {"d/moved/x": MODE}
+    finally:
+        node.close()

@@ -155,6 +155,9 @@ class Recorded:
         (a copy is a new version on some stores): per directory with a record, a LIST before
         and after and the record's GET and PUT."""
         self._refuse_record(dst)
+        # Queued changes written first: a directory's first ones would otherwise be written
+        # under the old name after the move (and make its prefix again); now the walk sees them.
+        self.records.flush(CLOSE_TIMEOUT)
         before = {} if self.lists_posix else self._tree_records(src)  # (else entries are directories': kept)
         self.records.move_key(src, dst, None, is_dir=True)  # first: removing src forgets its entry
         super().rename_tree(src, dst)  # type: ignore[misc]
