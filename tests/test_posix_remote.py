@@ -504,6 +504,22 @@ def test_store_read_small_and_put_small(store: Any) -> None:
         remote.read_small("d/nothing")
 
 
+@pytest.mark.objectstore
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["presigned", "s3fs"])
+def test_s3_put_metadata_is_signed_into_the_presigned_url_or_sent_by_s3fs(request: pytest.FixtureRequest,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path, direct: str) -> None:
+    monkeypatch.setenv("MARINFS_DIRECT_GET", direct)
+    url, options, _ = object_store(request, "s3")
+    remote = Remote(url, options)
+    assert (remote._direct is not None) == (direct == "1")
+    remote.upload(_src(tmp_path), "f", ABSENT, attrs=FULL)
+    assert not remote._direct_refused  # a signature mismatch would be a 403, then s3fs's PUT
+    assert remote.stat("f").posix == FULL
+    remote.close()
+
+
+@pytest.mark.objectstore
 def test_s3_past_the_copy_limit_set_attrs_and_copy_are_multipart_copies(request: pytest.FixtureRequest,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -99,8 +100,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
         target = (raw.get("metadata") or {}).get(SYMLINK_METADATA) if not info.is_dir else None
         if target is None:
             return info
-        return ObjectInfo(name=info.name, is_dir=False, size=len(target.encode("utf-8", "surrogateescape")),
-                          mtime_ns=info.mtime_ns, version=info.version, link=True, target=target)
+        return replace(info, size=len(target.encode("utf-8", "surrogateescape")), link=True, target=target)
 
     # -- symbolic links (gcsfuse's) ------------------------------------------------------------
     def symlink(self, key: str, target: str) -> ObjectVersion | None:
