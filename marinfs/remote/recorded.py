@@ -135,15 +135,17 @@ class Recorded:
 
     def rename(self, src: str, dst: str) -> None:
         """The backend's copy, the entry moved to the copy's version, the backend's delete. The
-        copy's version costs a HEAD, and only when the source has (or may have: its record
-        never read) an entry."""
+        copy's version, where copy() does not answer it, costs a HEAD, and only when the source
+        has (or may have: its record never read) an entry."""
         self._refuse_record(dst)
-        self.copy(src, dst)  # type: ignore[attr-defined]
+        copied = self.copy(src, dst)  # type: ignore[attr-defined]
         if self.records.may_have(src):
-            try:
-                version = self.stat(dst).version
-            except FileNotFoundError:
-                version = None
+            version = copied if isinstance(copied, ObjectVersion) else None
+            if version is None:
+                try:
+                    version = self.stat(dst).version
+                except FileNotFoundError:
+                    pass
             self.records.move_key(src, dst, version)
         elif self.records.may_have(dst):  # a file replaced: its entry must not outlive it
             self.records.forget_key(dst)
