@@ -704,3 +704,26 @@ def test_a_directory_renamed_before_its_first_flush(backend: tuple[Remote, Peer]
         assert {i.name: i.posix for i in node.list("d/moved")} == {"d/moved/x": MODE}
     finally:
         node.close()
+
+
+def test_where_nothing_was_set_the_records_cost_nothing(backend: tuple[Remote, Peer], tmp_path: Path) -> None:
+    remote, peer = backend
+    src = _file(tmp_path)
+    for i in range(5):
+        remote.upload(src, f"d/f{i}", ABSENT)
+    remote.make_dir("d/sub")
+    remote.list("d")
+    remote.list("d/sub")  # (as rmdir does, to see it is empty)
+    remote.stats.reset()
+    remote.list("d")
+    remote.stat("d/f0")
+    remote.rename("d/f0", "d/g0")
+    remote.delete("d/f1")
+    remote.remove_dir("d/sub")
+    assert remote.records.flush(10)
+    # What these cost without records: no GET, no record written, no HEAD for the rename.
+    if remote.protocol == "s3":  # (its copy HEADs the source; the marker is a DELETE)
+        assert _counts(remote) == {"list": 1, "head": 2, "copy": 1, "delete": 3}
+    else:
+        assert _counts(remote) == {"list": 1, "head": 1, "copy": 1, "delete": 2, "rmdir": 1}
+    assert not peer.exists("d/" + RECORD_NAME)
