@@ -727,3 +727,39 @@ def test_where_nothing_was_set_the_records_cost_nothing(backend: tuple[Remote, P
     else:
         assert _counts(remote) == {"list": 1, "head": 1, "copy": 1, "delete": 2, "rmdir": 1}
     assert not peer.exists("d/" + RECORD_NAME)
+
+
+@pytest.mark.parametrize("store_name", ["gcs"])
+def test_on_gcs_the_record_keeps_directories_only(request: pytest.FixtureRequest, store_name: str,
+                                                  tmp_path: Path) -> None:
+    """GCS listings carry each object's metadata: files need no entry, directories (prefixes,
+    with no metadata of their own) still do."""
+    url, options, _ = object_store(request, store_name)
+    remote, peer = Remote(url, options), Peer(url, options)
+    try:
+        assert remote.lists_posix
+        src = _file(tmp_path)
+        for i in range(3):
+            remote.upload(src, f"d/f{i}", ABSENT, attrs=PosixAttrs(mode=0o600 + i))
+        remote.make_dir("d/sub")
+        remote.set_dir_attrs("d/sub", PosixAttrs(mode=0o711))
+        assert remote.records.flush(10)
+        assert decode(peer.fs.cat_file(f"{peer.root}/d/{RECORD_NAME}")) == {"sub/": (None, PosixAttrs(mode=0o711))}
+        node = peer.node()
+        try:
+            shown = {i.name: i.posix for i in node.list("d")}
+            assert shown == {"d/f0": PosixAttrs(mode=0o600), "d/f1": PosixAttrs(mode=0o601),
+                             "d/f2": PosixAttrs(mode=0o602), "d/sub": PosixAttrs(mode=0o711)}
+            assert _counts(node).get("get") == 1 and "head" not in _counts(node)
+        finally:
+            node.close()
+        with pytest.raises(FsError):
+            remote.symlink("d/" + RECORD_NAME, "x")
+        remote.rename_tree("d/sub", "d/sub2")
+        remote.list("d/sub2")
+        remote.remove_dir("d/sub2")
+        assert remote.records.flush(10)
+        assert not peer.exists("d/sub2") and not peer.exists("d/sub")
+        assert decode(peer.fs.cat_file(f"{peer.root}/d/{RECORD_NAME}")) == {}
+    finally:
+        remote.close()
