@@ -5,16 +5,26 @@ objectstore: SeaweedFS)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from conftest import object_store
 from marinfs.dirmeta import RECORD_NAME, DirRecords, decode, encode, record_key
-from marinfs.errors import PreconditionFailed, RemoteError
+from marinfs.errors import FsError, PreconditionFailed, RemoteError
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote
+from marinfs.remote.recorded import hooks_missing
+from mounting import fsspec_client
+import tiers
 
 
 class FakeStore:
@@ -107,7 +117,6 @@ def test_encode_decode_round_trip() -> None:
     data = encode(entries)
     assert decode(data) == entries
     assert encode(decode(data)) == data  # canonical: equal records are equal bytes
-    import json
     doc = json.loads(data)
     assert doc["v"] == 1 and doc["entries"]["b"] == {"version": "eabc", "mode": 0o600}  # only what is set
     assert doc["entries"]["sub/"] == {"uid": 7}  # a directory has no version
@@ -432,19 +441,6 @@ def test_a_stat_that_carries_attributes_repairs_an_existing_record(store: FakeSt
 
 
 # -- wired into the remotes (core: memory://; objectstore: SeaweedFS) -----------------------------
-import errno as _errno  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import tiers  # noqa: E402
-from conftest import object_store  # noqa: E402
-from marinfs.errors import FsError  # noqa: E402
-from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote  # noqa: E402
-from marinfs.remote.recorded import hooks_missing  # noqa: E402
-from mounting import fsspec_client  # noqa: E402
-
-
 class Peer:
     """Another client of the same prefix (raw fsspec: no marinfs), and a way to make a second
     marinfs node of it."""
@@ -579,7 +575,7 @@ def test_the_record_name_is_reserved(backend: tuple[Remote, Peer], tmp_path: Pat
                     lambda: remote.symlink("d/" + RECORD_NAME, "a")):
         with pytest.raises(FsError) as err:
             attempt()
-        assert err.value.errno == _errno.EPERM
+        assert err.value.errno == errno.EPERM
     with pytest.raises(FileNotFoundError):
         remote.stat("d/" + RECORD_NAME)
     assert [i.name for i in remote.list("d")] == ["d/a"]
