@@ -22,6 +22,7 @@ from marinfs.objects import ObjectVersion, s3_match
 from marinfs.remote.base import _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.s3http import Presigner, S3Http
+from marinfs.remote.s3obstore import ObstoreGetter, Unusable
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class S3Remote(ObjectStoreRemote):
         self._direct_refused = False  # set once a server refuses our own requests but not s3fs's
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
+        self._obstore = self._obstore_getter()
+        self._obstore_refused = False  # set once obstore failed where the other paths did not
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Our timeouts, and botocore's retries reduced to one attempt: ours is the one loop."""
@@ -75,10 +78,25 @@ class S3Remote(ObjectStoreRemote):
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
 
+    def _obstore_getter(self) -> ObstoreGetter | None:
+        """Pinned ranged GETs through obstore (s3obstore.py) where it is installed and can
+        describe this filesystem's store; MARINFS_OBSTORE=0 turns it off."""
+        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0":
+            return None
+        config = dict(getattr(self.fs, "config_kwargs", None) or {})
+        try:
+            return ObstoreGetter(self.fs, float(config.get("connect_timeout", self.settings.connect_timeout)),
+                                 float(config.get("read_timeout", self.settings.read_timeout)))
+        except Unusable as why:
+            log.debug("%s: reads without obstore: %s", self.url, why)
+            return None
+
     def close(self) -> None:
         super().close()
         if self._direct is not None:
             self._direct.close()
+        if self._obstore is not None:
+            self._obstore.close()
 
     def _direct_first(self, kind: str, direct: Callable[[], T], sdk: Callable[[], T]) -> T:
         """One S3 request sent by us (``direct``), or through s3fs (``sdk``) once a server has
@@ -128,7 +146,7 @@ class S3Remote(ObjectStoreRemote):
         return self._presigner.listing(params)
 
     # -- data ----------------------------------------------------------------------------------
-    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
+    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> Any:
         etag = version.value if version is not None and version.kind == "etag" else None
         if version is not None and not etag:  # a version S3 did not issue: checked around the read
             return super()._read(key, start, end, version, want)
@@ -138,8 +156,41 @@ class S3Remote(ObjectStoreRemote):
                                           full, start, end, etag)
         else:
             sdk = lambda: self._call("get", self.fs.cat_file, full, start=start, end=end)  # noqa: E731
-        return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
-                                                            full, start, end, etag), sdk)
+
+        def today() -> bytes:
+            return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
+                                                                full, start, end, etag), sdk)
+
+        if not etag or self._obstore is None or self._obstore_refused:
+            return today()
+        return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
+                                                            full, start, end, etag), today)
+
+    def _obstore_first(self, full: str, ours: Callable[[], T], other: Callable[[], T]) -> T:
+        """A read through obstore, else (a 403 the other paths do not meet, or a store obstore
+        could not be built for) through them from now on; as ``_direct_first`` does."""
+        assert self._obstore is not None
+        try:
+            self._obstore.store(self.fs.split_path(full)[0])  # built once, outside the retry loop
+            return ours()
+        except (PermissionError, Unusable) as refused:
+            try:
+                result = other()
+            except PermissionError:
+                if isinstance(refused, Unusable):
+                    raise
+                raise refused from None
+            if not self._obstore_refused:
+                self._obstore_refused = True
+                log.warning("%s: reads through obstore failed (%s) where the other paths did not; reads "
+                            "go without obstore from now on", self.url, _one_line(refused))
+            return result
+
+    def _get_obstore(self, full: str, start: int, end: int, etag: str) -> Any:
+        assert self._obstore is not None
+        bucket, key, _ = self.fs.split_path(full)
+        self.stats.add("get")  # not seen by botocore's hook: count it here
+        return self._obstore.get(bucket, key, start, end, etag)
 
     def _get_direct(self, full: str, start: int, end: int, etag: str | None) -> bytes:
         assert self._direct is not None
