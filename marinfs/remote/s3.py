@@ -1,6 +1,8 @@
 """S3 (and S3-compatible stores): s3fs for what it does well, plain HTTP for the hot paths.
 
-Reads, small commits, upload parts and listings go as presigned URLs over urllib3 on the
+Pinned ranged reads (chunk fetches, readahead) go through obstore where it is installed
+(s3obstore.py: Rust, the lock released, the body handed on as its buffer); other reads, small
+commits, upload parts and listings go as presigned URLs over urllib3 on the
 calling threads (s3http.py: half the CPU per GiB of s3fs's event loop); creating and completing
 multipart uploads, HEADs, copies and deletes stay with s3fs. Versions are ETags; every commit
 carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
