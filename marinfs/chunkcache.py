@@ -22,6 +22,7 @@ that cannot fit is simply not cached.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef, ObjectVersion
@@ -47,15 +49,37 @@ try:  # CRC-32C in C with the CPU's crc32 instruction (google-crc32c, which gcsf
 except ImportError:  # pragma: no cover - then chunks keep zlib CRC-32 names
     _crc32c = None
 
+
+def _crc32c_at_address() -> Callable[[int, int | bytes, int], int] | None:
+    """google-crc32c's C function ``crc32c_extend(crc, pointer, length)`` through ctypes (its
+    extension takes only ``bytes``): checksums any memory, such as the aligned buffer a chunk is
+    written from, without a copy into a ``bytes``, and without the interpreter lock."""
+    if _crc32c is None:
+        return None
+    try:
+        from google_crc32c import _crc32c as ext
+
+        fn = ctypes.CDLL(ext.__file__).crc32c_extend  # found in the library the extension links
+        fn.argtypes, fn.restype = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint32
+        if fn(0, b"123456789", 9) != 0xE3069283:  # the CRC-32C check value
+            return None
+        return fn
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - then a copy into bytes
+        return None
+
+
+_crc32c_extend = _crc32c_at_address()
+
 log = logging.getLogger(__name__)
+Buffer = Any  # anything with the buffer protocol: bytes, obstore's Bytes
 
 
-def _checksum(data: bytes, c: bool) -> int:
+def _checksum(data: Buffer, c: bool) -> int:
     """The checksum a chunk name carries: CRC-32C (``c`` names) or zlib's CRC-32 (older names)."""
     if c:
         if _crc32c is None:
             raise LookupError("no CRC-32C here")
-        return _crc32c(data)
+        return _crc32c(data if isinstance(data, bytes) else bytes(data))
     return zlib.crc32(data)
 
 
@@ -228,8 +252,9 @@ class ChunkCache:
         entry.path.unlink(missing_ok=True)
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: bytes) -> bool:
-        """Store a chunk. False (and nothing stored) when it cannot fit or the disk says no."""
+    def put(self, key: ChunkKey, data: Buffer) -> bool:
+        """Store a chunk (any buffer: ``bytes``, obstore's ``Bytes``). False (and nothing stored)
+        when it cannot fit or the disk says no."""
         size = len(data)
         ikey = (key.object_id, key.index)
         with self._lock:
@@ -241,17 +266,17 @@ class ChunkCache:
             self._reserved += size  # counted in `used` from now on, so the limit holds
             self.used += size
         c = _crc32c is not None
-        crc = _checksum(data, c)
         sub = self.dir / key.object_id[:2]
-        path = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}"
+        path = sub / f"{key.object_id}-{key.index}"
         tmp = None
         try:
             sub.mkdir(exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(prefix="tmp", dir=sub)  # 0600
             try:
-                self._write(fd, data)
+                crc = self._write(fd, data, c)
             finally:
                 os.close(fd)
+            path = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}"
             os.replace(tmp, path)
         except OSError as exc:
             if tmp:
@@ -268,15 +293,19 @@ class ChunkCache:
             self._index[ikey] = _Entry(path, size, crc, verified=True, c=c)
         return True
 
-    def _write(self, fd: int, data: bytes) -> None:
+    def _write(self, fd: int, data: Buffer, c: bool) -> int:
         """All of ``data`` to ``fd``: the block-aligned bulk with O_DIRECT (from an aligned
-        buffer, as it requires), the tail and any filesystem without O_DIRECT buffered."""
+        buffer, as it requires), the tail and any filesystem without O_DIRECT buffered. Answers
+        the checksum of what was written (CRC-32C if ``c``), taken from the aligned copy where
+        it can be: any buffer is checksummed without a copy more."""
         view = memoryview(data)
-        bulk = len(data) - len(data) % _ALIGN if self._direct_io else 0
+        bulk = len(view) - len(view) % _ALIGN if self._direct_io else 0
+        crc = None
         if bulk:
             buf = getattr(self._local, "buf", None)
             if buf is None or len(buf) < bulk:
                 buf = self._local.buf = mmap.mmap(-1, max(bulk, 8 << 20))  # page-aligned
+                self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             buf[:bulk] = view[:bulk]
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             try:
@@ -291,7 +320,12 @@ class ChunkCache:
                 bulk = 0
             finally:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            if bulk and c and _crc32c_extend is not None:
+                crc = _crc32c_extend(0, self._local.addr, bulk)
+                tail = view[bulk:].tobytes()
+                crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
         _write_all(fd, view[bulk:], offset=bulk)
+        return crc if crc is not None else _checksum(data, c)
 
     def _evict_locked(self, incoming: int) -> bool:
         """Make room for ``incoming`` bytes under the size limit and the free-space floor."""

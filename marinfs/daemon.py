@@ -88,7 +88,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     # workers busy for one reader (96 MiB by default); more readers share it (their windows
     # shrink) instead of multiplying it.
     budget = min(cfg.max_readahead_chunks + cfg.prefetch_workers, 3 * cfg.prefetch_workers // 2) * cfg.chunk_size
-    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=cfg.chunk_size,
+    fetcher = ChunkFetcher(remote.read_buffer, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers, memory_bytes=max(4 * cfg.chunk_size, budget))
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)

@@ -42,14 +42,22 @@ from marinfs.objects import ObjectRef
 log = logging.getLogger(__name__)
 
 
-Fetch = Callable[[str, int, int, Any], bytes]  # (key, start, end, version) -> bytes
+Fetch = Callable[[str, int, int, Any], Any]  # (key, start, end, version) -> bytes or any buffer
+
+
+def _piece(data: Any, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset`` of a chunk as ``bytes`` (what FUSE replies are made of): one
+    copy, whether the chunk is a ``bytes`` or a buffer the remote handed over without a copy."""
+    if isinstance(data, bytes):
+        return data[offset:offset + size]
+    return memoryview(data)[offset:offset + size].tobytes()
 
 
 @dataclass(eq=False)
 class _Held:
     """A chunk in memory."""
 
-    data: bytes
+    data: Any  # bytes, or the buffer the remote answered (obstore's Bytes)
     held: bool  # fetched for a reader that has not read all of it yet: never evicted
     writing: bool  # queued for the disk cache: its memory is taken anyway, and not on disk yet
     served: int = 0  # bytes read from it; a reader that read them all releases it
@@ -114,7 +122,7 @@ class ChunkFetcher:
                 if future is None:
                     self._hold.add(ck)  # a demand fetch is held for its reader too
         if data is not None:
-            return data[offset:offset + size]
+            return _piece(data, offset, size)
         if future is None and self.cache is not None:
             cached = self.cache.read(ck, offset, size)
             if cached is not None:
@@ -135,7 +143,7 @@ class ChunkFetcher:
             entry = self._chunks.get(ck)
             if entry is not None and entry.data is data:
                 self._served_locked(ck, entry, size)
-        return data[offset:offset + size]
+        return _piece(data, offset, size)
 
     def _served_locked(self, ck: ChunkKey, entry: _Held, size: int) -> None:
         self._chunks.move_to_end(ck)

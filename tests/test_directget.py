@@ -37,19 +37,21 @@ class Scripted(http.server.BaseHTTPRequestHandler):
         action = Scripted.script.pop(0) if Scripted.script else "206"
         rng = self.headers.get("Range", "bytes=0-")[6:].split("-")
         start, end = int(rng[0]), int(rng[1]) + 1
+        span = {"Content-Range": f"bytes {start}-{end - 1}/{len(BODY)}"}  # as S3 answers a range
         if action == "206":
-            self._send(206, BODY[start:end])
+            self._send(206, BODY[start:end], span)
         elif action == "200":
             self._send(200, BODY)
         elif action == "truncated":
             self.send_response(206)
             self.send_header("Content-Length", str(end - start))
+            self.send_header("Content-Range", span["Content-Range"])
             self.end_headers()
             self.wfile.write(BODY[start:start + 10])
             self.close_connection = True
         elif action == "slow":
             time.sleep(1.5)
-            self._send(206, BODY[start:end])
+            self._send(206, BODY[start:end], span)
         else:
             self._send(int(action), b"<Error/>")
 
@@ -65,8 +67,10 @@ class Scripted(http.server.BaseHTTPRequestHandler):
         else:
             self._send(int(action), b"<Error/>")
 
-    def _send(self, status: int, body: bytes) -> None:
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -110,7 +114,8 @@ def test_ranges_versions_and_signing(server: str) -> None:
     signed: list[str] = []
     g = getter(server, signed)
     assert g.get("b/k", 10, 20, "abc") == BODY[10:20]
-    assert Scripted.seen[-1]["Range"] == "bytes=10-19" and Scripted.seen[-1]["If-Match"] == '"abc"'
+    sent = {k.lower(): v for k, v in Scripted.seen[-1].items()}
+    assert sent["range"] == "bytes=10-19" and sent["if-match"] == '"abc"'
     assert g.get("b/k", 0, 5, None) == BODY[:5] and "If-Match" not in Scripted.seen[-1]
     assert signed == ["b/k"]  # one signature serves many reads
     Scripted.script = ["200"]
@@ -401,3 +406,121 @@ def test_threads_that_ask_at_once_share_one_signing_client(monkeypatch: pytest.M
     for t in threads:
         t.join(timeout=30)
     assert built == ["b"] and len(got) == 16 and len({id(c) for c in got}) == 1
+
+
+# -- ranged GETs through obstore (marinfs/remote/s3obstore.py) ---------------------------------------
+obstore = pytest.importorskip("obstore")
+
+
+def obstore_getter(base: str, secret: str = "s") -> Any:
+    """An ObstoreGetter whose store for bucket ``b`` talks to ``base`` (no s3fs behind it)."""
+    from obstore.store import S3Store
+
+    from marinfs.remote.s3obstore import ObstoreGetter
+
+    class FS:
+        req_kw: dict[str, Any] = {}
+        s3_additional_kwargs: dict[str, Any] = {}
+
+    getter = ObstoreGetter(FS(), connect_timeout=1, read_timeout=0.5)
+    getter._stores["b"] = S3Store("b", endpoint=base, region="us-east-1", access_key_id="k", secret_access_key=secret,
+                                  virtual_hosted_style_request=False,
+                                  client_options={"allow_http": True, "read_timeout": "500ms"},
+                                  retry_config={"max_retries": 0})
+    return getter
+
+
+def test_obstore_ranges_and_if_match(server: str) -> None:
+    g = obstore_getter(server)
+    data = g.get("b", "k", 10, 20, "abc")
+    assert not isinstance(data, bytes) and bytes(data) == BODY[10:20]  # obstore's buffer, no copy
+    sent = {k.lower(): v for k, v in Scripted.seen[-1].items()}
+    assert sent["range"] == "bytes=10-19" and sent["if-match"] == '"abc"'
+
+
+@pytest.mark.parametrize("status, error", [("412", StaleVersionError), ("404", FileNotFoundError),
+                                           ("403", PermissionError), ("503", ConnectionError),
+                                           ("500", ConnectionError), ("429", ConnectionError), ("400", OSError)])
+def test_obstore_statuses_become_the_errors_marinfs_expects(server: str, status: str, error: type) -> None:
+    from marinfs.remote import is_transient
+
+    Scripted.script = [status]
+    with pytest.raises(error) as info:
+        obstore_getter(server).get("b", "k", 0, 10, "v")
+    assert is_transient(info.value) == (status in ("503", "500", "429"))
+    assert len(Scripted.seen) == 1  # obstore retries nothing: base.py's loop is the one
+
+
+def test_obstore_truncated_body_and_timeout_are_transient(server: str) -> None:
+    from marinfs.remote import is_transient
+    from marinfs.remote.s3obstore import Unusable
+
+    g = obstore_getter(server)
+    Scripted.script = ["truncated"]
+    with pytest.raises(ConnectionError) as info:
+        g.get("b", "k", 0, 100, "v")
+    assert is_transient(info.value)
+    Scripted.script = ["slow"]
+    started = time.monotonic()
+    with pytest.raises((TimeoutError, ConnectionError)) as timeout:
+        g.get("b", "k", 0, 100, "v")
+    assert is_transient(timeout.value) and time.monotonic() - started < 1.4
+    assert bytes(g.get("b", "k", 0, 100, "v")) == BODY[:100]  # and the next request is fine
+    Scripted.script = ["200"]  # a server that ignores Range: the urllib3 path serves (it copes)
+    with pytest.raises(Unusable) as unusable:
+        g.get("b", "k", 3, 7, "v")
+    assert not is_transient(unusable.value)
+
+
+def test_pinned_reads_go_through_obstore_on_seaweedfs(s3_server: Any) -> None:
+    """With obstore installed a pinned read is one GET through it (counted, same bytes as s3fs),
+    and a changed object is StaleVersionError (the server's 412), never other bytes."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options())
+    assert remote._obstore is not None
+
+    def not_this_way(*args: Any) -> bytes:
+        raise AssertionError("the urllib3 path was used")
+
+    remote._direct.get = not_this_way
+    data = os.urandom((3 << 20) + 5)
+    remote.fs.pipe_file(remote.full("obj"), data)
+    version = remote.stat("obj").version
+    remote.stats.reset()
+    buf = remote.read_buffer("obj", 5, 3 << 20, version)
+    assert isinstance(buf, obstore.Bytes) and bytes(buf) == data[5:3 << 20]
+    assert remote.read_range("obj", 0, len(data), version) == data  # bytes for every other caller
+    assert remote.stats.count("get") == 2
+    remote.fs.pipe_file(remote.full("obj"), b"replaced")
+    with pytest.raises(StaleVersionError):
+        remote.read_range("obj", 0, 4, version)
+    assert remote.stats.count("get") == 3  # a 412 is an answer: not retried
+    assert not remote._obstore_refused
+
+
+def test_a_read_obstore_is_refused_falls_back(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that refuses obstore's request (403) where the urllib3 path passes costs speed,
+    never a read: the read goes that way, and every later one at once; a denial both paths meet
+    is the answer. MARINFS_OBSTORE=0 (or obstore missing) is today's path from the start."""
+    from obstore.store import S3Store
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options())
+    remote.fs.pipe_file(remote.full("f"), b"kept")
+    version = remote.stat("f").version
+    remote._obstore._stores[s3_server.bucket] = S3Store(
+        s3_server.bucket, endpoint=s3_server.endpoint, region=s3_server.region, access_key_id=s3_server.access_key,
+        secret_access_key="wrong", virtual_hosted_style_request=False, client_options={"allow_http": True},
+        retry_config={"max_retries": 0})
+    remote.stats.reset()
+    assert remote.read_range("f", 0, 4, version) == b"kept"
+    assert remote._obstore_refused and remote.stats.count("get") == 2  # obstore's refused GET, then ours
+    remote.stats.reset()
+    assert remote.read_range("f", 1, 4, version) == b"ept" and remote.stats.count("get") == 1
+
+    other = Remote(url, {**s3_server.storage_options(), "secret": "wrong"})
+    with pytest.raises(PermissionError):
+        other.read_range("f", 0, 4, version)
+
+    monkeypatch.setenv("MARINFS_OBSTORE", "0")
+    assert Remote(url, s3_server.storage_options())._obstore is None

@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded"},
-    {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http"},
+    {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore"},
     {"remote.s3", "remote.gcs"},
     {"remote"},
     {"recovery", "listings"},

@@ -276,6 +276,30 @@ def test_chunks_of_any_size_survive_direct_io(tmp_path: Path, size: int) -> None
     assert again.read(key(1), 0, size + 10) == data and again.stats.corrupt == 0
 
 
+@pytest.mark.parametrize("size", [100, 4096, 8 * MiB + 123])
+def test_chunks_from_any_buffer_are_named_and_verified_like_bytes(tmp_path: Path, size: int) -> None:
+    """A chunk fetched as obstore's ``Bytes`` (or any buffer) is written without a copy into a
+    ``bytes``, its CRC-32C taken from the aligned copy: the same file name as from ``bytes``,
+    verified again after a restart; and reads through the fetcher answer ``bytes`` (FUSE's)."""
+    obstore = pytest.importorskip("obstore")
+    data = os.urandom(size)
+    plain = ChunkCache(tmp_path / "plain", 64 * MiB)
+    assert plain.put(key(1), data)
+    for kind, buf in (("Bytes", obstore.Bytes(data)), ("memoryview", memoryview(data))):
+        cache = ChunkCache(tmp_path / kind, 64 * MiB)
+        assert cache.put(key(1), buf) and cache._direct_io
+        assert [p.name for p in (tmp_path / kind).rglob("*-1-*")] == [p.name for p in (tmp_path / "plain").rglob("*-1-*")]
+        cache.close()
+        again = ChunkCache(tmp_path / kind, 64 * MiB)
+        assert again.read(key(1), 0, size) == data and again.stats.corrupt == 0
+    fetcher = ChunkFetcher(lambda k, lo, hi, v: obstore.Bytes(data[lo:hi]), ChunkCache(tmp_path / "f", 64 * MiB),
+                           chunk_size=8 * MiB)
+    reader = ObjectReader(ObjectRef(url="mem://x", key="x", version="v1", size=size), fetcher)
+    got = reader.read(size, 0)
+    assert type(got) is bytes and got == data
+    fetcher.close()
+
+
 def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.pwrite
@@ -291,6 +315,7 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
     assert cache.put(key(1), data) and cache.put(key(2), data[:4096])
     assert cache.read(key(1), 0, MiB + 5) == data and cache.read(key(2), 0, MiB) == data[:4096]
     assert not cache._direct_io
+    assert cache.put(key(3), memoryview(data)) and cache.read(key(3), 0, MiB + 5) == data  # any buffer
 
 
 def test_chunks_of_an_older_daemon_are_verified_with_their_own_checksum(tmp_path: Path) -> None:

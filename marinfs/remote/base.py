@@ -452,6 +452,13 @@ class Remote:
         checked around the read elsewhere; a different version raises StaleVersionError, so a
         cache keyed by version can never be filled with another version's bytes.
         """
+        data = self.read_buffer(key, start, end, version)
+        return data if isinstance(data, bytes) else bytes(data)
+
+    def read_buffer(self, key: str, start: int, end: int, version: ObjectVersion | None = None) -> Any:
+        """:meth:`read_range`'s bytes as whatever buffer the backend received them in (S3
+        through obstore: its ``Bytes``, no copy into a ``bytes``), for the chunk fetcher, which
+        only takes ``len``, slices through a ``memoryview`` and writes it to the cache."""
         if start >= end:
             return b""
         # A version fixes the size, and callers ask only within it: fewer bytes than asked is a

@@ -1,6 +1,8 @@
 """S3 (and S3-compatible stores): s3fs for what it does well, plain HTTP for the hot paths.
 
-Reads, small commits, upload parts and listings go as presigned URLs over urllib3 on the
+Pinned ranged reads (chunk fetches, readahead) go through obstore where it is installed
+(s3obstore.py: Rust, the lock released, the body handed on as its buffer); other reads, small
+commits, upload parts and listings go as presigned URLs over urllib3 on the
 calling threads (s3http.py: half the CPU per GiB of s3fs's event loop); creating and completing
 multipart uploads, HEADs, copies and deletes stay with s3fs. Versions are ETags; every commit
 carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
@@ -25,6 +27,7 @@ from marinfs.remote.base import MiB, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
+from marinfs.remote.s3obstore import ObstoreGetter, Unusable
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._heads_lock = threading.Lock()
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
+        self._obstore = self._obstore_getter()
+        self._obstore_refused = False  # set once obstore failed where the other paths did not
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Our timeouts, and botocore's retries reduced to one attempt: ours is the one loop."""
@@ -101,10 +106,25 @@ class S3Remote(Recorded, ObjectStoreRemote):
                          read_timeout=float(config.get("read_timeout", self.settings.read_timeout)),
                          verify=verify)
 
+    def _obstore_getter(self) -> ObstoreGetter | None:
+        """Pinned ranged GETs through obstore (s3obstore.py) where it is installed and can
+        describe this filesystem's store; MARINFS_OBSTORE=0 turns it off."""
+        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0":
+            return None
+        config = dict(getattr(self.fs, "config_kwargs", None) or {})
+        try:
+            return ObstoreGetter(self.fs, float(config.get("connect_timeout", self.settings.connect_timeout)),
+                                 float(config.get("read_timeout", self.settings.read_timeout)))
+        except Unusable as why:
+            log.debug("%s: reads without obstore: %s", self.url, why)
+            return None
+
     def close(self) -> None:
         super().close()
         if self._direct is not None:
             self._direct.close()
+        if self._obstore is not None:
+            self._obstore.close()
 
     def _direct_first(self, kind: str, direct: Callable[[], T], sdk: Callable[[], T]) -> T:
         """One S3 request sent by us (``direct``), or through s3fs (``sdk``) once a server has
@@ -186,7 +206,7 @@ class S3Remote(Recorded, ObjectStoreRemote):
         return self._presigner.listing(params)
 
     # -- data ----------------------------------------------------------------------------------
-    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
+    def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> Any:
         etag = version.value if version is not None and version.kind == "etag" else None
         if version is not None and not etag:  # a version S3 did not issue: checked around the read
             return super()._read(key, start, end, version, want)
@@ -196,8 +216,41 @@ class S3Remote(Recorded, ObjectStoreRemote):
                                           full, start, end, etag)
         else:
             sdk = lambda: self._call("get", self.fs.cat_file, full, start=start, end=end)  # noqa: E731
-        return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
-                                                            full, start, end, etag), sdk)
+
+        def today() -> bytes:
+            return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
+                                                                full, start, end, etag), sdk)
+
+        if not etag or self._obstore is None or self._obstore_refused:
+            return today()
+        return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
+                                                            full, start, end, etag), today)
+
+    def _obstore_first(self, full: str, ours: Callable[[], T], other: Callable[[], T]) -> T:
+        """A read through obstore, else (a 403 the other paths do not meet, or a store obstore
+        could not be built for) through them from now on; as ``_direct_first`` does."""
+        assert self._obstore is not None
+        try:
+            self._obstore.store(self.fs.split_path(full)[0])  # built once, outside the retry loop
+            return ours()
+        except (PermissionError, Unusable) as refused:
+            try:
+                result = other()
+            except PermissionError:
+                if isinstance(refused, Unusable):
+                    raise
+                raise refused from None
+            if not self._obstore_refused:
+                self._obstore_refused = True
+                log.warning("%s: reads through obstore failed (%s) where the other paths did not; reads "
+                            "go without obstore from now on", self.url, _one_line(refused))
+            return result
+
+    def _get_obstore(self, full: str, start: int, end: int, etag: str) -> Any:
+        assert self._obstore is not None
+        bucket, key, _ = self.fs.split_path(full)
+        self.stats.add("get")  # not seen by botocore's hook: count it here
+        return self._obstore.get(bucket, key, start, end, etag)
 
     def _get_direct(self, full: str, start: int, end: int, etag: str | None) -> bytes:
         assert self._direct is not None
