@@ -4,6 +4,8 @@ tier here (tests/tiers.py); a unit or core test that tries to mount or start a s
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import uuid
@@ -115,32 +117,60 @@ def object_store(request: pytest.FixtureRequest, backend: str) -> tuple[str, dic
     return url, server.storage_options(), server.env()
 
 
-@pytest.fixture(params=BACKENDS)
-@tiers.needs("mount")
-def mounted(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mounted]:
-    """A live mount of a fresh, empty prefix on each backend."""
-    backend = request.param
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+@contextlib.contextmanager
+def mount_backend(request: pytest.FixtureRequest, backend: str, base: Path) -> Iterator[Mounted]:
+    """A live mount of a fresh, empty prefix on ``backend``, in directory ``base``."""
+    mnt, cache = base / "mnt", base / "cache"
     if backend == "local":
-        root = tmp_path / "remote"
+        root = base / "remote"
         root.mkdir()
         url = str(root)
-        fs, base = fsspec_client(url)
+        fs, path = fsspec_client(url)
         with subprocess_mount(url, mnt, cache) as pid:
-            yield Mounted(mnt=mnt, url=url, fs=fs, root=base, cache_dir=cache, pid=pid)
+            yield Mounted(mnt=mnt, url=url, fs=fs, root=path, cache_dir=cache, pid=pid)
     elif backend == "memory":
         url = f"memory://marinfs-test-{uuid.uuid4().hex[:12]}"
-        fs, base = fsspec_client(url)
-        fs.mkdir(base)
+        fs, path = fsspec_client(url)
+        fs.mkdir(path)
         with inprocess_mount(url, mnt, cache):
-            yield Mounted(mnt=mnt, url=url, fs=fs, root=base, cache_dir=cache)
+            yield Mounted(mnt=mnt, url=url, fs=fs, root=path, cache_dir=cache)
     else:
         # Object stores: the daemon finds its endpoint and credentials in the standard
         # environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, STORAGE_EMULATOR_HOST...).
         url, options, env = object_store(request, backend)
-        fs, base = fsspec_client(url, {**options, "use_listings_cache": False})
+        fs, path = fsspec_client(url, {**options, "use_listings_cache": False})
         with subprocess_mount(url, mnt, cache, env=env) as pid:
-            yield Mounted(mnt=mnt, url=url, fs=fs, root=base, cache_dir=cache, pid=pid, env=env)
+            yield Mounted(mnt=mnt, url=url, fs=fs, root=path, cache_dir=cache, pid=pid, env=env)
+
+
+@pytest.fixture(params=BACKENDS)
+@tiers.needs("mount")
+def mounted(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mounted]:
+    """A live mount of a fresh, empty prefix on each backend: a daemon of the test's own."""
+    with mount_backend(request, request.param, tmp_path) as m:
+        yield m
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+@tiers.needs("mount")
+def module_mount(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    """One live mount per backend for the tests of a module (see mounted_dir)."""
+    with mount_backend(request, request.param, tmp_path_factory.mktemp(f"mount-{request.param}")) as m:
+        yield m
+
+
+@pytest.fixture
+@tiers.needs("mount")
+def mounted_dir(module_mount: Mounted) -> Mounted:
+    """A fresh, empty directory, made through the mount, of a mount the module's tests share on
+    each backend: a mount costs a daemon start (seconds on an object store). For tests that
+    write only through the mount and look only inside their directory. Not for a test that
+    writes behind the mount's back (the mount knows the directory it made is empty, for the
+    listing TTL), counts the daemon's requests, or needs a fresh daemon or cache: use mounted."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    (module_mount.mnt / name).mkdir()
+    return dataclasses.replace(module_mount, mnt=module_mount.mnt / name, url=f"{module_mount.url}/{name}",
+                               root=module_mount.remote_path(name))
 
 
 @pytest.fixture

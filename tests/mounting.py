@@ -102,12 +102,23 @@ def subprocess_mount(url: str, mnt: Path, cache_dir: Path, *extra: str,
         try:
             yield pid
         finally:
-            subprocess.run([*MARINFS, "umount", str(mnt), "--timeout", "60"], capture_output=True,
-                           env=full_env, timeout=120)
+            unmount(mnt)
             force_unmount(mnt)
             _stop_pid(pid)
     finally:
         force_unmount(mnt)
+
+
+def unmount(mnt: Path, timeout: float = 60) -> None:
+    """What ``marinfs umount MNT`` does (unmount, wait for the daemon to finish), run here: a
+    ``marinfs umount`` process would cost every mount another interpreter start. The command
+    itself is tested in test_cli.py and wherever a test runs it on purpose."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from marinfs.daemon import unmount as marinfs_unmount
+    from marinfs.errors import MarinfsError
+
+    with contextlib.suppress(MarinfsError, OSError):  # what is left: force_unmount, _stop_pid
+        marinfs_unmount(str(mnt), timeout=timeout)
 
 
 def daemon_pid(mnt: Path) -> int:

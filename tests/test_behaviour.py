@@ -1,6 +1,8 @@
 """The behaviour suite: real tools and syscalls through a real mount, on every backend.
 
 After each write the bytes are checked in the remote through fsspec, not only through the mount.
+Tests that only write through the mount share one mount per backend, a directory each
+(mounted_dir); those that write behind its back (put_remote) get a fresh mount (mounted).
 """
 
 from __future__ import annotations
@@ -26,22 +28,22 @@ def sh(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return result
 
 
-def test_write_read_and_remote_bytes(mounted: Mounted) -> None:
-    path = mounted.mnt / "hello.txt"
+def test_write_read_and_remote_bytes(mounted_dir: Mounted) -> None:
+    path = mounted_dir.mnt / "hello.txt"
     path.write_bytes(b"hello marin\n")
-    assert mounted.remote_bytes("hello.txt") == b"hello marin\n"
+    assert mounted_dir.remote_bytes("hello.txt") == b"hello marin\n"
     assert path.read_bytes() == b"hello marin\n"
     assert os.stat(path).st_size == 12
 
 
-def test_cp_and_sha256sum_of_a_large_file(mounted: Mounted, tmp_path: Path) -> None:
+def test_cp_and_sha256sum_of_a_large_file(mounted_dir: Mounted, tmp_path: Path) -> None:
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(20 * 1024 * 1024 + 123))
-    sh("cp", str(src), str(mounted.mnt / "big.bin"))
+    sh("cp", str(src), str(mounted_dir.mnt / "big.bin"))
     expect = hashlib.sha256(src.read_bytes()).hexdigest()
-    out = sh("sha256sum", str(mounted.mnt / "big.bin")).stdout.split()[0]
+    out = sh("sha256sum", str(mounted_dir.mnt / "big.bin")).stdout.split()[0]
     assert out == expect
-    assert hashlib.sha256(mounted.remote_bytes("big.bin")).hexdigest() == expect
+    assert hashlib.sha256(mounted_dir.remote_bytes("big.bin")).hexdigest() == expect
 
 
 def test_dd_and_partial_reads(mounted: Mounted) -> None:
@@ -55,32 +57,32 @@ def test_dd_and_partial_reads(mounted: Mounted) -> None:
             assert f.read(size) == data[offset:offset + size]
 
 
-def test_mkdir_p_ls_find_du_rm_r(mounted: Mounted) -> None:
-    sh("mkdir", "-p", str(mounted.mnt / "a/b/c"))
-    (mounted.mnt / "a/b/c/f.txt").write_text("x" * 5000)
-    (mounted.mnt / "a/top.txt").write_text("y")
-    assert sorted(os.listdir(mounted.mnt / "a")) == ["b", "top.txt"]
-    listing = sh("ls", "-l", str(mounted.mnt / "a")).stdout
+def test_mkdir_p_ls_find_du_rm_r(mounted_dir: Mounted) -> None:
+    sh("mkdir", "-p", str(mounted_dir.mnt / "a/b/c"))
+    (mounted_dir.mnt / "a/b/c/f.txt").write_text("x" * 5000)
+    (mounted_dir.mnt / "a/top.txt").write_text("y")
+    assert sorted(os.listdir(mounted_dir.mnt / "a")) == ["b", "top.txt"]
+    listing = sh("ls", "-l", str(mounted_dir.mnt / "a")).stdout
     assert "top.txt" in listing and listing.count("\n") == 3
-    found = sh("find", str(mounted.mnt), "-type", "f").stdout.split()
-    assert sorted(found) == sorted([str(mounted.mnt / "a/b/c/f.txt"), str(mounted.mnt / "a/top.txt")])
-    du = int(sh("du", "-sb", str(mounted.mnt / "a")).stdout.split()[0])
+    found = sh("find", str(mounted_dir.mnt), "-type", "f").stdout.split()
+    assert sorted(found) == sorted([str(mounted_dir.mnt / "a/b/c/f.txt"), str(mounted_dir.mnt / "a/top.txt")])
+    du = int(sh("du", "-sb", str(mounted_dir.mnt / "a")).stdout.split()[0])
     assert du >= 5001
-    assert mounted.remote_bytes("a/b/c/f.txt") == b"x" * 5000
-    sh("rm", "-r", str(mounted.mnt / "a"))
-    assert not (mounted.mnt / "a").exists()
-    assert not mounted.remote_exists("a/top.txt") and not mounted.remote_exists("a/b/c/f.txt")
+    assert mounted_dir.remote_bytes("a/b/c/f.txt") == b"x" * 5000
+    sh("rm", "-r", str(mounted_dir.mnt / "a"))
+    assert not (mounted_dir.mnt / "a").exists()
+    assert not mounted_dir.remote_exists("a/top.txt") and not mounted_dir.remote_exists("a/b/c/f.txt")
 
 
-def test_empty_directory_persists(mounted: Mounted) -> None:
-    os.mkdir(mounted.mnt / "empty")
-    assert mounted.remote_exists("empty")
-    assert os.listdir(mounted.mnt / "empty") == []
-    os.rmdir(mounted.mnt / "empty")
-    assert not (mounted.mnt / "empty").exists()
+def test_empty_directory_persists(mounted_dir: Mounted) -> None:
+    os.mkdir(mounted_dir.mnt / "empty")
+    assert mounted_dir.remote_exists("empty")
+    assert os.listdir(mounted_dir.mnt / "empty") == []
+    os.rmdir(mounted_dir.mnt / "empty")
+    assert not (mounted_dir.mnt / "empty").exists()
 
 
-def test_tar_extract_into_and_create_from(mounted: Mounted, tmp_path: Path) -> None:
+def test_tar_extract_into_and_create_from(mounted_dir: Mounted, tmp_path: Path) -> None:
     src = tmp_path / "tree"
     for i in range(30):
         d = src / f"d{i % 3}"
@@ -89,29 +91,29 @@ def test_tar_extract_into_and_create_from(mounted: Mounted, tmp_path: Path) -> N
     archive = tmp_path / "t.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(src, arcname="tree")
-    sh("tar", "-xf", str(archive), "-C", str(mounted.mnt))
+    sh("tar", "-xf", str(archive), "-C", str(mounted_dir.mnt))
     for path in src.rglob("*.txt"):
         rel = "tree/" + str(path.relative_to(src))
-        assert mounted.remote_bytes(rel) == path.read_bytes()
+        assert mounted_dir.remote_bytes(rel) == path.read_bytes()
     out = tmp_path / "back.tar"
-    sh("tar", "-cf", str(out), "-C", str(mounted.mnt), "tree")
+    sh("tar", "-cf", str(out), "-C", str(mounted_dir.mnt), "tree")
     with tarfile.open(out) as tar:
         names = sorted(m.name for m in tar.getmembers() if m.isfile())
     assert len(names) == 30
 
 
-def test_rsync_archive_into_mount(mounted: Mounted, tmp_path: Path) -> None:
+def test_rsync_archive_into_mount(mounted_dir: Mounted, tmp_path: Path) -> None:
     if shutil.which("rsync") is None:
         pytest.skip("rsync is not installed")
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "a.bin").write_bytes(os.urandom(100_000))
     (src / "sub/b.txt").write_text("bee")
-    sh("rsync", "-a", f"{src}/", str(mounted.mnt / "dst"))
-    assert mounted.remote_bytes("dst/a.bin") == (src / "a.bin").read_bytes()
-    assert mounted.remote_bytes("dst/sub/b.txt") == b"bee"
+    sh("rsync", "-a", f"{src}/", str(mounted_dir.mnt / "dst"))
+    assert mounted_dir.remote_bytes("dst/a.bin") == (src / "a.bin").read_bytes()
+    assert mounted_dir.remote_bytes("dst/sub/b.txt") == b"bee"
     # A second run finds nothing to do and must not fail.
-    sh("rsync", "-a", f"{src}/", str(mounted.mnt / "dst"))
+    sh("rsync", "-a", f"{src}/", str(mounted_dir.mnt / "dst"))
 
 
 MMAP_CHECK = """
@@ -135,9 +137,9 @@ def test_mmap_read(mounted: Mounted) -> None:
     assert lines[2:] == [data[o:o + 1000].hex() for o in offsets]
 
 
-def test_zipfile_written_straight_onto_the_mount(mounted: Mounted) -> None:
+def test_zipfile_written_straight_onto_the_mount(mounted_dir: Mounted) -> None:
     # zipfile seeks back to patch local headers, like torch.save does.
-    path = mounted.mnt / "model.zip"
+    path = mounted_dir.mnt / "model.zip"
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
         for i in range(5):
             with z.open(f"tensor{i}", "w") as member:
@@ -145,56 +147,56 @@ def test_zipfile_written_straight_onto_the_mount(mounted: Mounted) -> None:
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None
         assert z.read("tensor3") == bytes([3]) * 200_000
-    local = mounted.cache_dir.parent / "model-copy.zip"
-    local.write_bytes(mounted.remote_bytes("model.zip"))
+    local = mounted_dir.cache_dir.parent / "model-copy.zip"
+    local.write_bytes(mounted_dir.remote_bytes("model.zip"))
     with zipfile.ZipFile(local) as z:
         assert z.read("tensor4") == bytes([4]) * 200_000
 
 
-def test_tmp_then_rename_replaces_target(mounted: Mounted) -> None:
-    (mounted.mnt / "x").write_text("old")
-    tmp = mounted.mnt / "x.tmp"
+def test_tmp_then_rename_replaces_target(mounted_dir: Mounted) -> None:
+    (mounted_dir.mnt / "x").write_text("old")
+    tmp = mounted_dir.mnt / "x.tmp"
     tmp.write_text("new content")
-    os.rename(tmp, mounted.mnt / "x")
-    assert (mounted.mnt / "x").read_text() == "new content"
+    os.rename(tmp, mounted_dir.mnt / "x")
+    assert (mounted_dir.mnt / "x").read_text() == "new content"
     assert not tmp.exists()
-    assert mounted.remote_bytes("x") == b"new content"
-    assert not mounted.remote_exists("x.tmp")
+    assert mounted_dir.remote_bytes("x") == b"new content"
+    assert not mounted_dir.remote_exists("x.tmp")
 
 
-def test_mv_directory_moves_every_object(mounted: Mounted) -> None:
+def test_mv_directory_moves_every_object(mounted_dir: Mounted) -> None:
     for i in range(20):
-        (mounted.mnt / "src" / f"s{i % 2}").mkdir(parents=True, exist_ok=True)
-        (mounted.mnt / "src" / f"s{i % 2}" / f"f{i}").write_text(str(i))
-    sh("mv", str(mounted.mnt / "src"), str(mounted.mnt / "dst"))
-    assert not (mounted.mnt / "src").exists()
+        (mounted_dir.mnt / "src" / f"s{i % 2}").mkdir(parents=True, exist_ok=True)
+        (mounted_dir.mnt / "src" / f"s{i % 2}" / f"f{i}").write_text(str(i))
+    sh("mv", str(mounted_dir.mnt / "src"), str(mounted_dir.mnt / "dst"))
+    assert not (mounted_dir.mnt / "src").exists()
     for i in range(20):
-        assert mounted.remote_bytes(f"dst/s{i % 2}/f{i}") == str(i).encode()
-        assert not mounted.remote_exists(f"src/s{i % 2}/f{i}")
-    assert sorted(os.listdir(mounted.mnt / "dst")) == ["s0", "s1"]
+        assert mounted_dir.remote_bytes(f"dst/s{i % 2}/f{i}") == str(i).encode()
+        assert not mounted_dir.remote_exists(f"src/s{i % 2}/f{i}")
+    assert sorted(os.listdir(mounted_dir.mnt / "dst")) == ["s0", "s1"]
 
 
-def test_append_overwrite_middle_truncate(mounted: Mounted) -> None:
-    path = mounted.mnt / "f.bin"
+def test_append_overwrite_middle_truncate(mounted_dir: Mounted) -> None:
+    path = mounted_dir.mnt / "f.bin"
     path.write_bytes(b"0123456789")
     with open(path, "ab") as f:
         f.write(b"abc")
-    assert mounted.remote_bytes("f.bin") == b"0123456789abc"
+    assert mounted_dir.remote_bytes("f.bin") == b"0123456789abc"
     with open(path, "r+b") as f:
         f.seek(3)
         f.write(b"XYZ")
         f.seek(0)
         assert f.read() == b"012XYZ6789abc"  # O_RDWR really reads
-    assert mounted.remote_bytes("f.bin") == b"012XYZ6789abc"
+    assert mounted_dir.remote_bytes("f.bin") == b"012XYZ6789abc"
     os.truncate(path, 4)
-    assert mounted.remote_bytes("f.bin") == b"012X"
+    assert mounted_dir.remote_bytes("f.bin") == b"012X"
     os.truncate(path, 8)
-    assert mounted.remote_bytes("f.bin") == b"012X\0\0\0\0"
+    assert mounted_dir.remote_bytes("f.bin") == b"012X\0\0\0\0"
     with open(path, "r+b") as f:
         f.truncate(2)
         f.seek(0, 2)
         f.write(b"!")
-    assert mounted.remote_bytes("f.bin") == b"01!"
+    assert mounted_dir.remote_bytes("f.bin") == b"01!"
     assert path.stat().st_size == 3
 
 
@@ -204,33 +206,33 @@ def test_append_to_remote_object_with_shell(mounted: Mounted) -> None:
     assert mounted.remote_bytes("log.txt") == b"line1\nline2\n"
 
 
-def test_empty_file_and_touch(mounted: Mounted) -> None:
-    sh("touch", str(mounted.mnt / "empty"))
-    assert mounted.remote_bytes("empty") == b""
-    assert (mounted.mnt / "empty").stat().st_size == 0
-    sh("touch", str(mounted.mnt / "empty"))  # utimens on an existing file succeeds
+def test_empty_file_and_touch(mounted_dir: Mounted) -> None:
+    sh("touch", str(mounted_dir.mnt / "empty"))
+    assert mounted_dir.remote_bytes("empty") == b""
+    assert (mounted_dir.mnt / "empty").stat().st_size == 0
+    sh("touch", str(mounted_dir.mnt / "empty"))  # utimens on an existing file succeeds
 
 
-def test_chmod_chown_utime_succeed(mounted: Mounted) -> None:
-    path = mounted.mnt / "p.txt"
+def test_chmod_chown_utime_succeed(mounted_dir: Mounted) -> None:
+    path = mounted_dir.mnt / "p.txt"
     path.write_text("p")
     os.chmod(path, 0o600)
     os.chown(path, os.getuid(), os.getgid())
     os.utime(path, (1, 1))
-    sh("cp", "-p", str(path), str(mounted.mnt / "q.txt"))
-    assert mounted.remote_bytes("q.txt") == b"p"
+    sh("cp", "-p", str(path), str(mounted_dir.mnt / "q.txt"))
+    assert mounted_dir.remote_bytes("q.txt") == b"p"
 
 
-def test_hard_links_are_eperm(mounted: Mounted) -> None:
-    (mounted.mnt / "t").write_text("t")
+def test_hard_links_are_eperm(mounted_dir: Mounted) -> None:
+    (mounted_dir.mnt / "t").write_text("t")
     with pytest.raises(OSError) as info:
-        os.link(mounted.mnt / "t", mounted.mnt / "l")
+        os.link(mounted_dir.mnt / "t", mounted_dir.mnt / "l")
     assert info.value.errno == errno.EPERM
-    assert not (mounted.mnt / "l").exists()
+    assert not (mounted_dir.mnt / "l").exists()
 
 
-def test_errors_through_the_mount(mounted: Mounted) -> None:
-    m = mounted.mnt
+def test_errors_through_the_mount(mounted_dir: Mounted) -> None:
+    m = mounted_dir.mnt
     with pytest.raises(FileNotFoundError):
         open(m / "missing")
     with pytest.raises(FileNotFoundError):
@@ -255,14 +257,14 @@ def test_errors_through_the_mount(mounted: Mounted) -> None:
         (m / ("n" * 256)).write_text("x")
     assert info.value.errno == errno.ENAMETOOLONG
     (m / ("n" * 255)).write_text("x")  # 255 bytes is allowed
-    assert mounted.remote_bytes("n" * 255) == b"x"
+    assert mounted_dir.remote_bytes("n" * 255) == b"x"
 
 
-def test_statfs_and_access(mounted: Mounted) -> None:
-    st = os.statvfs(mounted.mnt)
+def test_statfs_and_access(mounted_dir: Mounted) -> None:
+    st = os.statvfs(mounted_dir.mnt)
     assert st.f_bavail > 0 and st.f_namemax == 255
-    assert os.access(mounted.mnt, os.W_OK)
-    sh("df", str(mounted.mnt))
+    assert os.access(mounted_dir.mnt, os.W_OK)
+    sh("df", str(mounted_dir.mnt))
 
 
 def test_remote_changes_become_visible(mounted: Mounted) -> None:

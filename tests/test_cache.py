@@ -135,6 +135,9 @@ def test_reading_three_times_the_cache_size_never_exceeds_it(remote: Remote, tmp
             while not done.is_set():
                 cache.check_invariants()
                 peak[0] = max(peak[0], cache.used)
+                # Not a spin: that held the GIL and the cache's lock against the mount's own
+                # threads (32 s instead of 3 on a busy CI machine). A chunk takes longer than this.
+                done.wait(0.0005)
 
         watcher = threading.Thread(target=watch)
         watcher.start()

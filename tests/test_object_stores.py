@@ -90,18 +90,19 @@ def test_object_and_prefix_with_the_same_name(store: Store) -> None:
     os.stat(store.mnt / "dup")  # never a crash
 
 
-def test_listing_of_2500_objects_is_paged_and_fills_the_stat_cache(store: Store) -> None:
-    store.client.pipe({f"{store.root}/big/f{i:05d}": b"x" * (i % 7) for i in range(2500)})
+def test_listing_of_2001_objects_is_paged_and_fills_the_stat_cache(store: Store) -> None:
+    # One object past two full pages of 1,000 (on GCS a page counts objects, not "sub/").
+    store.client.pipe({f"{store.root}/big/f{i:05d}": b"x" * (i % 7) for i in range(2001)})
     store.put("big/sub/deep/y", b"y")  # a listing is delimited: this shows as one entry "sub"
     assert "big" in os.listdir(store.mnt)  # the parent listing resolves "big" itself
     store.reset()
     out = subprocess.run(["ls", "-l", str(store.mnt / "big")], capture_output=True, text=True, check=True)
-    assert len(out.stdout.splitlines()) == 2501 + 1  # entries + "total"
+    assert len(out.stdout.splitlines()) == 2002 + 1  # entries + "total"
     counts = store.counts()
-    assert counts.get("list") == 3, counts  # ceil(2501 / 1000) pages
+    assert counts.get("list") == 3, counts  # ceil(2001 / 1000) pages
     assert counts.get("head", 0) == 0, counts
     store.reset()
-    for i in range(0, 2500, 7):
+    for i in range(0, 2001, 7):
         assert os.stat(store.mnt / f"big/f{i:05d}").st_size == i % 7
     assert store.counts() == {}, store.counts()
 
@@ -299,15 +300,16 @@ def prefetching(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stor
 
 def test_stat_of_many_files_costs_a_few_heads_and_one_listing(prefetching: Store) -> None:
     store = prefetching
-    store.client.pipe({f"{store.root}/d/f{i:04d}": b"x" * (i % 7) for i in range(1500)})
+    # 1,001 files: the listing is two pages, and ~330 stats follow it.
+    store.client.pipe({f"{store.root}/d/f{i:04d}": b"x" * (i % 7) for i in range(1001)})
     os.stat(store.mnt / "d")
     store.reset()
     for i in range(3):  # the third lookup that misses starts a background listing of d
         assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
     store.core.listings.drain()
-    for i in range(3, 1500, 3):
+    for i in range(3, 1001, 3):
         assert os.stat(store.mnt / f"d/f{i:04d}").st_size == i % 7
-    assert store.counts() == {"head": 3, "list": 2}, store.counts()  # ceil(1500 / 1000) pages
+    assert store.counts() == {"head": 3, "list": 2}, store.counts()  # ceil(1001 / 1000) pages
 
 
 def test_find_lists_every_directory_once_mostly_ahead_of_it(prefetching: Store) -> None:

@@ -38,6 +38,13 @@ def private(path: Path) -> list[str]:
     return loose
 
 
+def wait_for_file(path: Path, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} after {within} s"
+        time.sleep(0.05)
+
+
 @pytest.mark.mount
 def test_the_cache_dir_is_0700_and_its_files_0600(tmp_path: Path) -> None:
     remote, mnt, cache = tmp_path / "remote", tmp_path / "mnt", tmp_path / "cache"
@@ -54,9 +61,9 @@ def test_the_cache_dir_is_0700_and_its_files_0600(tmp_path: Path) -> None:
             fd = os.open(mnt / "existing.txt", os.O_WRONLY | os.O_APPEND)  # staged + journal
             try:
                 os.write(fd, b" and more")
-                # (time.sleep, not a child process: a fork + exec closes a copy of fd, and that
+                # (a wait here, not a child process: a fork + exec closes a copy of fd, and that
                 # close commits the file and drops its journal)
-                time.sleep(2.5)  # stats.json is published every 2 s
+                wait_for_file(cache / "stats.json")  # published every 2 s
                 assert list((cache / "chunks").rglob("*-*-*")), "no chunk cached"
                 assert list((cache / "staging").glob("*.journal.json")), "no journal"
                 assert (cache / "stats.json").exists()
@@ -100,7 +107,7 @@ def test_no_credentials_in_logs_errors_status_or_command_lines(secret_s3: tuple[
         (mnt / "written.txt").write_text("w")
         with pytest.raises(OSError):
             (mnt / "missing.txt").read_text()
-        time.sleep(2.5)
+        wait_for_file(cache / "stats.json")  # published every 2 s
         seen["/proc/PID/cmdline"] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         seen["status"] = subprocess.run([*MARINFS, "status", "--json", str(mnt)], capture_output=True,
                                         text=True, timeout=60).stdout

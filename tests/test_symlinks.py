@@ -175,8 +175,9 @@ def test_core_links_of_a_local_remote_are_real_links(tmp_path: Path) -> None:
 
 
 # -- through mounts, on every backend --------------------------------------------------------
-def test_ln_s_readlink_stat_ls_and_a_loop(mounted: Mounted) -> None:
-    m = mounted.mnt
+# (One mount per backend, a directory each (mounted_dir); a peer's links need a fresh mount.)
+def test_ln_s_readlink_stat_ls_and_a_loop(mounted_dir: Mounted) -> None:
+    m = mounted_dir.mnt
     (m / "dir").mkdir()
     (m / "dir/file.txt").write_text("hello")
     sh("ln", "-s", "dir/file.txt", str(m / "rel"))
@@ -200,15 +201,15 @@ def test_ln_s_readlink_stat_ls_and_a_loop(mounted: Mounted) -> None:
     assert raised.value.errno == errno.ELOOP
     assert sorted(e.name for e in os.scandir(m) if e.is_symlink()) == ["abs", "dangling", "loop-a", "loop-b", "rel"]
     for rel, target in (("rel", "dir/file.txt"), ("abs", str(m / "dir")), ("dangling", "no/such/target")):
-        assert remote_link(mounted, rel) == target
+        assert remote_link(mounted_dir, rel) == target
     os.rename(m / "rel", m / "dir/renamed")
     assert os.readlink(m / "dir/renamed") == "dir/file.txt" and not os.path.lexists(m / "rel")
-    assert remote_link(mounted, "dir/renamed") == "dir/file.txt"
+    assert remote_link(mounted_dir, "dir/renamed") == "dir/file.txt"
     os.unlink(m / "dangling")
     assert not os.path.lexists(m / "dangling")
     sh("mv", str(m / "dir"), str(m / "moved-dir"))  # a directory rename carries its links
     assert os.readlink(m / "moved-dir/renamed") == "dir/file.txt"
-    assert remote_link(mounted, "moved-dir/renamed") == "dir/file.txt"
+    assert remote_link(mounted_dir, "moved-dir/renamed") == "dir/file.txt"
     sh("mv", str(m / "moved-dir"), str(m / "dir"))
     assert (m / "dir/file.txt").read_text() == "hello"  # unlink and rename touched the link only
 
@@ -222,7 +223,7 @@ def test_links_written_by_a_peer_show_as_links(mounted: Mounted) -> None:
     assert sorted(os.listdir(m)) == ["blob", "peer-link"]
 
 
-def test_tar_x_of_a_tarball_with_symlinks(mounted: Mounted, tmp_path: Path) -> None:
+def test_tar_x_of_a_tarball_with_symlinks(mounted_dir: Mounted, tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "share/doc/pkg").mkdir(parents=True)
     (src / "share/doc/pkg/copyright").write_text("(c)")
@@ -233,15 +234,15 @@ def test_tar_x_of_a_tarball_with_symlinks(mounted: Mounted, tmp_path: Path) -> N
     os.symlink("pkg", src / "share/doc/alias")
     with tarfile.open(tmp_path / "t.tar", "w") as tar:
         tar.add(src, arcname="root")
-    sh("tar", "-xf", str(tmp_path / "t.tar"), "-C", str(mounted.mnt))
-    root = mounted.mnt / "root"
+    sh("tar", "-xf", str(tmp_path / "t.tar"), "-C", str(mounted_dir.mnt))
+    root = mounted_dir.mnt / "root"
     assert os.readlink(root / "share/doc/other/copyright") == "../pkg/copyright"
     assert os.readlink(root / "share/doc/pkg/GPL") == "/usr/share/common-licenses/GPL-2"
     assert (root / "share/doc/other/copyright").read_text() == "(c)"
     assert sorted(os.listdir(root / "share/doc/alias")) == ["GPL", "copyright"]
-    assert remote_link(mounted, "root/share/doc/alias") == "pkg"
+    assert remote_link(mounted_dir, "root/share/doc/alias") == "pkg"
     out = sh("tar", "-tvf", str(tmp_path / "t.tar")).stdout  # and the tarball from the mount agrees
-    sh("tar", "-cf", str(tmp_path / "back.tar"), "-C", str(mounted.mnt), "root")
+    sh("tar", "-cf", str(tmp_path / "back.tar"), "-C", str(mounted_dir.mnt), "root")
     with tarfile.open(tmp_path / "back.tar") as tar:
         links = {m.name: m.linkname for m in tar.getmembers() if m.issym()}
     assert links == {"root/share/doc/link0": "pkg/copyright", "root/share/doc/other/copyright": "../pkg/copyright",
@@ -249,26 +250,26 @@ def test_tar_x_of_a_tarball_with_symlinks(mounted: Mounted, tmp_path: Path) -> N
     assert "->" in out
 
 
-def test_cp_a_of_a_tree_with_symlinks_then_diff(mounted: Mounted, tmp_path: Path) -> None:
+def test_cp_a_of_a_tree_with_symlinks_then_diff(mounted_dir: Mounted, tmp_path: Path) -> None:
     src = tmp_path / "tree"
     (src / "a/b").mkdir(parents=True)
     (src / "a/b/data.bin").write_bytes(os.urandom(5000))
     os.symlink("b/data.bin", src / "a/data-link")
     os.symlink("../a", src / "a/b/up")  # a link to a directory above: cp -a must not follow it
     os.symlink("/nonexistent/path", src / "dangling")
-    sh("cp", "-a", str(src), str(mounted.mnt / "copy"))
-    sh("diff", "-r", "--no-dereference", str(src), str(mounted.mnt / "copy"))
-    assert remote_link(mounted, "copy/a/b/up") == "../a"
-    sh("cp", "-a", str(mounted.mnt / "copy"), str(tmp_path / "back"))  # and out again
+    sh("cp", "-a", str(src), str(mounted_dir.mnt / "copy"))
+    sh("diff", "-r", "--no-dereference", str(src), str(mounted_dir.mnt / "copy"))
+    assert remote_link(mounted_dir, "copy/a/b/up") == "../a"
+    sh("cp", "-a", str(mounted_dir.mnt / "copy"), str(tmp_path / "back"))  # and out again
     sh("diff", "-r", "--no-dereference", str(src), str(tmp_path / "back"))
-    sh("rm", "-r", str(mounted.mnt / "copy"))  # removes the links, never what they lead to
-    assert not os.path.lexists(mounted.mnt / "copy") and mounted.fs.find(mounted.remote_path("copy")) == []
+    sh("rm", "-r", str(mounted_dir.mnt / "copy"))  # removes the links, never what they lead to
+    assert not os.path.lexists(mounted_dir.mnt / "copy") and mounted_dir.fs.find(mounted_dir.remote_path("copy")) == []
     assert (src / "a/b/data.bin").stat().st_size == 5000
 
 
-def test_hugging_face_hub_cache_layout(mounted: Mounted) -> None:
+def test_hugging_face_hub_cache_layout(mounted_dir: Mounted) -> None:
     """snapshots/<rev>/config.json -> ../../blobs/<hash>, as huggingface_hub lays it out."""
-    repo = mounted.mnt / "models--org--model"
+    repo = mounted_dir.mnt / "models--org--model"
     config = json.dumps({"model_type": "llama", "hidden_size": 64}).encode()
     digest = hashlib.sha256(config).hexdigest()
     (repo / "blobs").mkdir(parents=True)
@@ -281,7 +282,7 @@ def test_hugging_face_hub_cache_layout(mounted: Mounted) -> None:
     path = repo / "snapshots" / revision / "config.json"
     assert json.loads(path.read_text())["hidden_size"] == 64
     assert os.path.realpath(path) == str(repo / "blobs" / digest)
-    assert remote_link(mounted, f"models--org--model/snapshots/abc/config.json") == f"../../blobs/{digest}"
+    assert remote_link(mounted_dir, f"models--org--model/snapshots/abc/config.json") == f"../../blobs/{digest}"
 
 
 # -- peers and costs on the object stores ----------------------------------------------------

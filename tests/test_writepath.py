@@ -411,7 +411,7 @@ def test_remote_down_during_upload_keeps_the_bytes_then_commits_them(s3_server: 
     data = os.urandom(20 * MiB + 7)
     with TcpProxy(host, int(port)) as proxy:
         env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
-        with subprocess_mount(url, mnt, cache, "--connect-timeout", "1", "--read-timeout", "2",
+        with subprocess_mount(url, mnt, cache, "--connect-timeout", "1", "--read-timeout", "1",
                               "--retries", "2", "--commit-retry-interval", "1", env=env) as pid:
             fd = os.open(mnt / "weights.bin", os.O_WRONLY | os.O_CREAT)
             os.write(fd, data[:10 * MiB])
