@@ -267,7 +267,9 @@ class Filesystem:
                             ("mtime_ns", mtime_ns)):
             if value is not None:
                 fields[name] = value
-        if not fields:  # chown(-1, -1), utimens omitting both times: only the lookup
+        if not fields or not self.remote.stores_posix:
+            # chown(-1, -1), utimens omitting both times; or a plain fsspec store, which keeps
+            # nothing: accepted so cp -p and rsync -a work, as before attributes were stored.
             self.lookup(self._key_for(path, fh))
             return
         self._change_attrs(path, fh, lambda attrs: replace(attrs, **fields))
@@ -280,16 +282,16 @@ class Filesystem:
             raise FsError(errno.EBADF, "neither a path nor a handle")
         return key_of(path)
 
-    def _normalized(self, attrs: PosixAttrs, is_dir: bool) -> PosixAttrs:
-        """What is shown anyway is not stored: a mode, uid or gid equal to the mount's default,
-        so ``cp -a`` of 0644 files owned by the mounting user stores only their mtimes."""
+    def _normalized(self, attrs: PosixAttrs, is_dir: bool, current: PosixAttrs = NO_ATTRS) -> PosixAttrs:
+        """What is shown anyway is not stored: a mode, uid or gid that nothing stored yet
+        (``current``'s is None) set to the mount's default, so ``cp -a`` of 0644 files owned by
+        the mounting user stores only their mtimes. A stored value is replaced, never dropped
+        (a local file always has its own)."""
         changes: dict[str, None] = {}
-        if attrs.mode is not None and attrs.mode == (self.dir_mode if is_dir else self.file_mode):
-            changes["mode"] = None
-        if attrs.uid is not None and attrs.uid == self.uid:
-            changes["uid"] = None
-        if attrs.gid is not None and attrs.gid == self.gid:
-            changes["gid"] = None
+        defaults = (("mode", self.dir_mode if is_dir else self.file_mode), ("uid", self.uid), ("gid", self.gid))
+        for name, default in defaults:
+            if getattr(attrs, name) == default and getattr(current, name) is None:
+                changes[name] = None
         return replace(attrs, **changes) if changes else attrs
 
     def _set_streamed_attrs(self, key: str, attrs: PosixAttrs, version: ObjectVersion | None) -> ObjectVersion | None:
@@ -338,7 +340,8 @@ class Filesystem:
         if staged is not None:
             with staged.lock:  # (waits for a commit in flight, which may leave it clean)
                 if staged.unlinked or staged.dirty:
-                    staged.set_attrs(self._normalized(change(staged.attrs or NO_ATTRS), False))
+                    current = staged.attrs or NO_ATTRS
+                    staged.set_attrs(self._normalized(change(current), False, current))
                     return
         info = self.lookup(key)
         if info.link:
@@ -348,7 +351,7 @@ class Filesystem:
             return
         for attempt in (1, 2):
             current = self._posix_of(key, info)
-            new = self._normalized(change(current), info.is_dir)
+            new = self._normalized(change(current), info.is_dir, current)
             if new == current:
                 return
             if info.is_dir:
@@ -401,7 +404,7 @@ class Filesystem:
             return None
 
     def _set_root_attrs(self, change: Callable[[PosixAttrs], PosixAttrs]) -> None:
-        new = self._normalized(change(self._root_attrs), True)
+        new = self._normalized(change(self._root_attrs), True, self._root_attrs)
         if new == self._root_attrs:
             return
         if not self.remote.object_store:
@@ -439,8 +442,8 @@ class Filesystem:
         self.lookup(key)
         if name.startswith(XATTR_OURS):
             raise FsError(errno.EPERM, f"{name} is read-only")
-        if not name.startswith("user."):
-            raise FsError(errno.ENOTSUP, f"{name}: only user.* attributes are stored")
+        if not name.startswith("user.") or not self.remote.stores_posix:
+            raise FsError(errno.ENOTSUP, f"{name}: only user.* attributes are stored, where the store keeps them")
         if len(value) > XATTR_SIZE_MAX:
             raise FsError(errno.E2BIG, f"{name}: {len(value)} bytes")
         budget = getattr(self.remote, "max_xattr_bytes", XATTR_TOTAL_MAX)
@@ -666,7 +669,8 @@ class Filesystem:
         self._require_dir(posixpath.dirname(key))
         self._file_name_allowed(key)
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
-        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), False) if mode is not None else None
+        keep = mode is not None and self.remote.stores_posix
+        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
         staged = self._acquire_staged(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
 
@@ -937,7 +941,8 @@ class Filesystem:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
         self.remote.make_dir(key)
-        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), True) if mode is not None else NO_ATTRS
+        keep = mode is not None and self.remote.stores_posix
+        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), True) if keep else NO_ATTRS
         if not attrs.empty:
             self.remote.set_dir_attrs(key, attrs)
         self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns(), posix=attrs))
