@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit"},
+    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "posixmeta"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http"},

@@ -18,6 +18,7 @@ import logging
 import os
 import posixpath
 import random
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -29,8 +30,8 @@ import fsspec
 import fsspec.config
 
 from marinfs.config import RemoteSettings
-from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
-from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
+from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
+from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,11 @@ class Remote:
     # Symbolic links are ``NAME.rclonelink`` objects (rclone's convention); local disks have
     # real ones and GCS keeps gcsfuse's (an empty object with the target in its metadata).
     link_objects: ClassVar[bool] = True
+    # Persisted POSIX metadata (objects.PosixAttrs; docs/architecture.md): whether files can
+    # hold it (upload's ``attrs``, set_attrs), and whether list() carries it (else its entries
+    # have posix=None and the directory record fills them in).
+    stores_posix: ClassVar[bool] = True
+    lists_posix: ClassVar[bool] = False
 
     def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -251,7 +257,13 @@ class Remote:
         size = 0 if is_dir else int(raw.get("size") or 0)
         mtime = _mtime_ns(raw)
         return ObjectInfo(name=name, is_dir=is_dir, size=size, mtime_ns=mtime,
-                          version=None if is_dir else version_of(raw, mtime, size))
+                          version=None if is_dir else version_of(raw, mtime, size),
+                          posix=self._posix_of(raw, is_dir))
+
+    def _posix_of(self, raw: dict[str, Any], is_dir: bool) -> PosixAttrs | None:
+        """The POSIX metadata an fsspec info dict carries (None: it does not say). A plain
+        fsspec store keeps none, so a file's is PosixAttrs(); directories are the record's."""
+        return None if is_dir else PosixAttrs()
 
     # -- the one retry loop --------------------------------------------------------------------
     def _call(self, kind: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -386,6 +398,8 @@ class Remote:
             result.setdefault(name, link)
         if not entries and key:
             self._confirm_dir(key)
+        if not self.lists_posix:  # what the entries carried is not the whole truth here
+            return [replace(info, posix=None) if info.posix is not None else info for info in result.values()]
         return list(result.values())
 
     def _link_info(self, raw: dict[str, Any], key: str) -> ObjectInfo:
@@ -459,14 +473,20 @@ class Remote:
         self._call("get", self.fs.get_file, self.full(key), local_path)
         self.stats.add_bytes(bytes_in=os.path.getsize(local_path))
 
-    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None,
+               attrs: PosixAttrs | None = None) -> ObjectVersion | None:
         """Commit a local file as ``key``; readers see the old or the new object, never a part.
 
         ``expect`` makes the commit conditional: the version the writer started from, or
         ``ABSENT`` for a new file; if the object is not (or no longer) that, nothing is written
         and PreconditionFailed is raised. S3 and GCS check it on the server, atomically; other
         backends compare a stat taken just before the commit. Answers the new version if known.
+
+        ``attrs`` (the file's POSIX metadata, complete) go with the bytes, in the same request
+        where the store allows; None or empty sends exactly what a plain commit sends. A plain
+        fsspec store cannot keep them: ENOTSUP, before anything is written.
         """
+        self._require_posix(attrs)
         self._check_expected(key, expect)
         self._call("put", self.fs.put_file, local_path, self.full(key))
         self.stats.add_bytes(bytes_out=os.path.getsize(local_path))
@@ -483,9 +503,57 @@ class Remote:
         if found != expect:
             raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
 
-    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> Any:
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None,
+                     attrs: PosixAttrs | None = None) -> Any:
         """A multipart (S3) or resumable (GCS) upload of ``key``; only where ``streams``."""
         raise NotImplementedError(f"{self.protocol} uploads are not sent in parts")
+
+    # -- persisted POSIX metadata --------------------------------------------------------------
+    def _require_posix(self, attrs: PosixAttrs | None) -> None:
+        if attrs is not None and not attrs.empty and not self.stores_posix:
+            raise FsError(errno.ENOTSUP, f"{self.protocol}:// keeps no POSIX metadata")
+
+    def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """Make ``attrs`` (the complete new value, not a change) the stored POSIX metadata of
+        file ``key`` without sending its bytes, only while it is ``expect`` (None: whatever it
+        is): else PreconditionFailed and nothing changed; FileNotFoundError if it is gone.
+        Answers its version after the update (None if the store did not say)."""
+        raise FsError(errno.ENOTSUP, f"{self.protocol}:// keeps no POSIX metadata")
+
+    def _current_file(self, key: str, expect: ObjectVersion | None) -> ObjectInfo:
+        """The stat of file ``key`` as a metadata update finds it: FileNotFoundError if gone,
+        PreconditionFailed if it is not ``expect`` (any version when None)."""
+        info = self.stat(key)
+        if info.is_dir:
+            raise IsADirectoryError(errno.EISDIR, "a directory's metadata is set with set_dir_attrs", key)
+        if expect is not None and info.version != expect:
+            raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+        return info
+
+    def set_dir_attrs(self, key: str, attrs: PosixAttrs) -> None:
+        """The POSIX metadata of directory ``key``: local disks only; on object stores a
+        directory's are in its parent's directory record (dirmeta.py)."""
+        raise NotImplementedError(f"{self.protocol}:// directories keep their metadata in the directory record")
+
+    # -- small whole objects (the directory record) --------------------------------------------
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        """The whole of a small object and the version those bytes are. Here a stat, then a
+        read pinned to its version; object stores answer both from one GET."""
+        info = self.stat(key)
+        if info.is_dir or info.version is None:
+            raise IsADirectoryError(errno.EISDIR, "not an object", key)
+        return self.read_range(key, 0, info.size, info.version) if info.size else b"", info.version
+
+    def put_small(self, key: str, data: bytes, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """Write ``data`` as ``key`` in one request, conditional like upload (``expect``, None:
+        unconditional), retried and counted like every request. Answers the new version."""
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return self.upload(tmp, key, expect)
+        finally:
+            os.unlink(tmp)
 
     # -- namespace -----------------------------------------------------------------------------
     def copy(self, src: str, dst: str) -> None:

@@ -15,25 +15,36 @@ import errno
 import functools
 import json
 import os
+import threading
+import time
 from typing import Any
 from urllib.parse import quote
 
 import fsspec.asyn
 
+from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed, StaleVersionError
-from marinfs.objects import ObjectInfo, ObjectVersion, gcs_match
+from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
 from marinfs.remote.base import _exactly, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.uploads import Counter, Runner
 
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
 SYMLINK_METADATA = "gcsfuse_symlink_target"  # gcsfuse's key for a link's target
+META_REUSE_SECONDS = 5.0  # object metadata seen this recently spares set_attrs a GET
 
 
 class GCSRemote(ObjectStoreRemote):
     protocols = ("gs", "gcs")
     version_kind = "generation"
     link_objects = False  # gcsfuse's links: SYMLINK_METADATA on an empty object
+    lists_posix = True  # listings carry each object's custom metadata
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(url, storage_options, settings)
+        # full path -> (generation, metageneration, custom metadata, when seen), for set_attrs
+        self._seen: dict[str, tuple[str, str, dict[str, str], float]] = {}
+        self._seen_lock = threading.Lock()
 
     def _prepare_environment(self) -> None:
         if os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -67,8 +78,23 @@ class GCSRemote(ObjectStoreRemote):
         return isinstance(exc, FileExistsError) or super()._is_precondition_failure(exc)
 
     # -- metadata ------------------------------------------------------------------------------
+    def _posix_of(self, raw: dict[str, Any], is_dir: bool) -> PosixAttrs | None:
+        return None if is_dir else posixmeta.from_gcs(raw.get("metadata"))
+
+    def _remember(self, raw: dict[str, Any]) -> None:
+        generation = raw.get("generation")
+        if not generation or "name" not in raw:
+            return
+        with self._seen_lock:
+            if len(self._seen) >= 4096:
+                self._seen.clear()
+            self._seen[raw["name"]] = (str(generation), str(raw.get("metageneration") or ""),
+                                       dict(raw.get("metadata") or {}), time.monotonic())
+
     def _info_of(self, raw: dict[str, Any], key: str | None = None) -> ObjectInfo:
         info = super()._info_of(raw, key)
+        if not info.is_dir:
+            self._remember(raw)
         target = (raw.get("metadata") or {}).get(SYMLINK_METADATA) if not info.is_dir else None
         if target is None:
             return info
@@ -120,19 +146,97 @@ class GCSRemote(ObjectStoreRemote):
         except FileNotFoundError:  # that generation is gone
             raise StaleVersionError(f"{self.url}: {key} is no longer generation {version.value}") from None
 
-    # -- commits -------------------------------------------------------------------------------
-    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        """One media GET: the body and, in ``x-goog-generation``, the generation of that body."""
         bucket, path, _ = self.fs.split_path(self.full(key))
-        out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call, "POST",
-                         f"{self.fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",
-                         name=path, data=data, json_out=True, **gcs_match(expect))
+        headers, data = self._call("get", fsspec.asyn.sync, self.fs.loop, self.fs._call, "GET", "b/{}/o/{}",
+                                   bucket, path, alt="media")
+        generation = _header(headers, "x-goog-generation")
+        if not generation:  # a server that does not say: the generation, then a pinned read
+            return super().read_small(key)
+        self.stats.add_bytes(bytes_in=len(data))
+        return bytes(data), ObjectVersion("generation", generation)
+
+    # -- commits -------------------------------------------------------------------------------
+    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None,
+                   attrs: PosixAttrs | None = None) -> ObjectVersion | None:
+        """A media upload; with ``attrs`` a multipart one (the metadata and the bytes, one request)."""
+        bucket, path, _ = self.fs.split_path(self.full(key))
+        url = f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o"
+        if attrs is None:
+            out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call, "POST", url, uploadType="media",
+                             name=path, data=data, json_out=True, **gcs_match(expect))
+        else:
+            resource = json.dumps({"name": path, "metadata": posixmeta.to_gcs(attrs)})
+            body = (f"--==0==\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{resource}\r\n"
+                    f"--==0==\r\nContent-Type: application/octet-stream\r\n\r\n").encode() + data + b"\r\n--==0==--"
+            out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call, "POST", url,
+                             uploadType="multipart", headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                             data=body, json_out=True, **gcs_match(expect))
+        if isinstance(out, dict):
+            self._remember({**out, "name": f"{bucket}/{path}"})
         generation = (out or {}).get("generation")
         return ObjectVersion("generation", str(generation)) if generation else None
 
-    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> GCSSession:
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None,
+                     attrs: PosixAttrs | None = None) -> GCSSession:
         bucket, path, _ = self.fs.split_path(self.full(key))
         return GCSSession(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size,
-                          lambda kind, fn: self._call(kind, fn), lambda n: self.stats.add_bytes(bytes_out=n))
+                          lambda kind, fn: self._call(kind, fn), lambda n: self.stats.add_bytes(bytes_out=n),
+                          metadata=posixmeta.to_gcs(attrs) if attrs is not None else None)
+
+    # -- persisted POSIX metadata --------------------------------------------------------------
+    def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """One PATCH of the object's custom metadata with ``ifGenerationMatch`` (the bytes are
+        still ``expect``) and ``ifMetagenerationMatch`` (its metadata is still what the patch was
+        computed from). The generation stays, so cached chunks stay valid. The metadata comes
+        from a stat or listing of under 5 s ago, else one GET; a patch from seen metadata that
+        another writer's patch overtook is computed again from a fresh GET."""
+        if expect is not None and expect.kind != "generation":
+            expect = self._current_file(key, expect).version  # a foreign version: compared once
+        full = self.full(key)
+        bucket, path, _ = self.fs.split_path(full)
+        seen = self._recent(full, expect)
+        while True:
+            if seen is None:
+                info = self._current_file(key, expect)  # one GET; FileNotFoundError, PreconditionFailed
+                seen = self._recent(full, info.version, fresh=True)
+                if seen is None:  # (the stat remembered it, unless another stat overtook it)
+                    raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+                fresh = True
+            else:
+                fresh = False
+            assert seen is not None
+            generation, metageneration, metadata, _ = seen
+            patch = posixmeta.gcs_patch(metadata, attrs)
+            if not patch:
+                return ObjectVersion("generation", generation)
+            match = {"ifGenerationMatch": generation}
+            if metageneration:  # (every GCS answer has one; fake-gcs-server's PATCH answer does not)
+                match["ifMetagenerationMatch"] = metageneration
+            try:
+                out = self._call("patch", self.fs.call, "PATCH", "b/{}/o/{}", bucket, path, json={"metadata": patch},
+                                 json_out=True, **match)
+            except PreconditionFailed:
+                if fresh:
+                    raise
+                seen = None  # the seen metadata was overtaken: compute the patch again
+                continue
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "no such object", full) from None
+            if isinstance(out, dict):
+                self._remember({**out, "name": full})
+            return ObjectVersion("generation", str((out or {}).get("generation") or generation))
+
+    def _recent(self, full: str, expect: ObjectVersion | None,
+                fresh: bool = False) -> tuple[str, str, dict[str, str], float] | None:
+        with self._seen_lock:
+            seen = self._seen.get(full)
+        if seen is None or expect is None or seen[0] != expect.value:
+            return None
+        if not fresh and time.monotonic() - seen[3] > META_REUSE_SECONDS:
+            return None
+        return seen
 
 
 class GCSSession:
@@ -143,7 +247,7 @@ class GCSSession:
     ordered = True
 
     def __init__(self, fs: Any, bucket: str, key: str, expect: ObjectVersion | None, part_size: int,
-                 run: Runner, sent: Counter = lambda n: None) -> None:
+                 run: Runner, sent: Counter = lambda n: None, metadata: dict[str, str] | None = None) -> None:
         self.fs, self.key, self._run, self._sent = fs, key, run, sent
         if part_size % GCS_CHUNK_ALIGN:
             raise ValueError(f"GCS upload parts must be multiples of 256 KiB, not {part_size}")
@@ -151,10 +255,11 @@ class GCSSession:
         self.result: dict[str, Any] | None = None
         self.sent = 0
         params = gcs_match(expect)
+        resource: dict[str, Any] = {"name": key, "metadata": metadata} if metadata else {"name": key}
 
         async def initiate() -> str:
             headers, _ = await fs._call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
-                                        uploadType="resumable", json={"name": key},
+                                        uploadType="resumable", json=resource,
                                         headers={"X-Upload-Content-Type": "application/octet-stream"},
                                         **params)
             loc = headers["Location"]
@@ -193,6 +298,17 @@ class GCSSession:
             _run(self.fs.loop, cancel(), timeout=60)
         except Exception:  # noqa: BLE001 - GCS answers 499 to a cancel; expired sessions vanish anyway
             pass
+
+
+def _header(headers: Any, name: str) -> str | None:
+    """One response header, whatever the case (aiohttp's are a case-insensitive multidict)."""
+    try:
+        value = headers.get(name)
+    except AttributeError:
+        return None
+    if value is None and isinstance(headers, dict):
+        value = next((v for k, v in headers.items() if k.lower() == name), None)
+    return str(value) if value else None
 
 
 def _json(text: Any) -> dict[str, Any] | None:

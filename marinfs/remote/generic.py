@@ -14,12 +14,16 @@ import threading
 import time
 from typing import Any
 
-from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.errors import PreconditionFailed
+from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import Remote
 
 
 class GenericRemote(Remote, fallback=True):
-    """A plain fsspec filesystem: every operation is the fsspec call of the same name."""
+    """A plain fsspec filesystem: every operation is the fsspec call of the same name. It keeps
+    no POSIX metadata (set_attrs and upload with attrs: ENOTSUP)."""
+
+    stores_posix = False
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         options = super()._options(options)
@@ -28,6 +32,7 @@ class GenericRemote(Remote, fallback=True):
 
 
 _GENERATION_ATTR = "_marinfs_generation"
+_POSIX_ATTR = "_marinfs_posix"  # the PosixAttrs stored with one object, as S3 user metadata is
 _generation_lock = threading.Lock()
 _last_generation = 0
 _commit_locks = tuple(threading.Lock() for _ in range(64))  # striped by key: bounded, never shared by one key
@@ -53,9 +58,19 @@ class MemoryRemote(Remote):
     """fsspec's process-wide ``memory://`` store with real versions and preconditions.
 
     Writes that bypass the Remote (a test's ``remote.fs.pipe_file``, another Remote) still make
-    new objects, so they get new generations too."""
+    new objects, so they get new generations too, and no POSIX metadata (as a plain PUT).
+    Listings carry no POSIX metadata, as on S3: the directory record is tested without servers."""
 
     protocols = ("memory",)
+
+    def _lock(self, full: str) -> threading.Lock:
+        return _commit_locks[hash(self.fs._strip_protocol(full)) % len(_commit_locks)]
+
+    def _stored(self, key: str) -> Any:
+        return self.fs.store.get(self.fs._strip_protocol(self.full(key)))
+
+    def _version(self, stored: Any) -> ObjectVersion:
+        return ObjectVersion("generation", str(_generation(stored)))
 
     def _info_of(self, raw: dict[str, Any], key: str | None = None) -> ObjectInfo:
         info = super()._info_of(raw, key)
@@ -65,16 +80,67 @@ class MemoryRemote(Remote):
         if stored is None:  # removed since it was listed: keep what the listing said
             return info
         return ObjectInfo(name=info.name, is_dir=False, size=info.size, mtime_ns=info.mtime_ns,
-                          version=ObjectVersion("generation", str(_generation(stored))))
+                          version=self._version(stored), posix=getattr(stored, _POSIX_ATTR, NO_ATTRS))
 
-    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None,
+               attrs: PosixAttrs | None = None) -> ObjectVersion | None:
         """The precondition checked and the object replaced with no other commit of this key in
-        between (like S3's If-Match); answers the new object's generation."""
+        between (like S3's If-Match); answers the new object's generation. ``attrs`` are
+        stored with the new object."""
         full = self.full(key)
-        with _commit_locks[hash(full) % len(_commit_locks)]:
+        with self._lock(full):
             self._check_expected(key, expect)
             self._call("put", self.fs.put_file, local_path, full)
-            stored = self.fs.store.get(self.fs._strip_protocol(full))
-            version = None if stored is None else ObjectVersion("generation", str(_generation(stored)))
+            stored = self._stored(key)
+            version = None
+            if stored is not None:
+                version = self._version(stored)
+                if attrs is not None and not attrs.empty:
+                    setattr(stored, _POSIX_ATTR, attrs)
         self.stats.add_bytes(bytes_out=os.path.getsize(local_path))
         return version
+
+    def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """The stored attributes replaced under the key's commit lock; the generation stays
+        (the bytes did), as on GCS."""
+        full = self.full(key)
+        with self._lock(full):
+            info = self._current_file(key, expect)
+            self.stats.add("patch")
+            stored = self._stored(key)
+            if stored is None or info.version != self._version(stored):
+                raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+            setattr(stored, _POSIX_ATTR, attrs)
+        return info.version
+
+    def copy(self, src: str, dst: str) -> None:
+        """fsspec's copy, keeping the POSIX metadata (as S3 and GCS copies keep metadata)."""
+        super().copy(src, dst)
+        attrs = getattr(self._stored(src), _POSIX_ATTR, None)
+        stored = self._stored(dst)
+        if attrs is not None and stored is not None:
+            setattr(stored, _POSIX_ATTR, attrs)
+
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        """Bytes and generation read together, under the key's commit lock."""
+        full = self.full(key)
+        with self._lock(full):
+            self.stats.add("get")
+            stored = self._stored(key)
+            if stored is None:
+                if self.fs.isdir(full):
+                    raise IsADirectoryError(full)
+                raise FileNotFoundError(full)
+            data = bytes(stored.getbuffer())
+            version = self._version(stored)
+        self.stats.add_bytes(bytes_in=len(data))
+        return data, version
+
+    def put_small(self, key: str, data: bytes, expect: ObjectVersion | None) -> ObjectVersion | None:
+        full = self.full(key)
+        with self._lock(full):
+            self._check_expected(key, expect)
+            self._call("put", self.fs.pipe_file, full, data)
+            stored = self._stored(key)
+        self.stats.add_bytes(bytes_out=len(data))
+        return None if stored is None else self._version(stored)

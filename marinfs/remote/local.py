@@ -10,6 +10,7 @@ the prefix, so a mount never becomes a way out of the tree it was given.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import stat
@@ -17,14 +18,62 @@ import uuid
 from typing import Any
 
 from marinfs.errors import UsageError
-from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import TMP_PREFIX, Remote
+
+log = logging.getLogger(__name__)
+XATTR_PREFIX = "user."
+
+
+def posix_of(path: str, st: os.stat_result | None = None) -> PosixAttrs:
+    """What the file at ``path`` (never followed) holds: every field, since a local file always
+    has a mode, owner and mtime; and its ``user.*`` xattrs (none where the filesystem keeps none)."""
+    st = st or os.lstat(path)
+    items: list[tuple[str, bytes]] = []
+    try:
+        for name in os.listxattr(path, follow_symlinks=False):
+            if name.startswith(XATTR_PREFIX):
+                try:
+                    items.append((name, os.getxattr(path, name, follow_symlinks=False)))
+                except OSError:
+                    pass  # removed meanwhile, or not readable
+    except OSError:
+        pass  # ENOTSUP and friends: no xattrs here
+    return PosixAttrs(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns,
+                      xattrs=tuple(sorted(items)))
+
+
+def apply_posix(path: str, attrs: PosixAttrs, replace_xattrs: bool = True) -> None:
+    """Make the file or directory at ``path`` hold ``attrs`` with the syscalls; a field left
+    None stays as it is (a local file always has one). Owner before mode (chown clears setuid),
+    mtime last. ``replace_xattrs``: ``user.*`` names not in ``attrs`` are removed."""
+    st = os.stat(path)
+    wanted = dict(attrs.xattrs)
+    if replace_xattrs:
+        try:
+            present = [n for n in os.listxattr(path) if n.startswith(XATTR_PREFIX)]
+        except OSError:
+            present = []
+        for name in present:
+            if name not in wanted:
+                os.removexattr(path, name)
+    for name, value in attrs.xattrs:
+        os.setxattr(path, name, value)
+    uid = -1 if attrs.uid is None or attrs.uid == st.st_uid else attrs.uid
+    gid = -1 if attrs.gid is None or attrs.gid == st.st_gid else attrs.gid
+    if uid != -1 or gid != -1:
+        os.chown(path, uid, gid)
+    if attrs.mode is not None:
+        os.chmod(path, attrs.mode)
+    if attrs.mtime_ns is not None:
+        os.utime(path, ns=(st.st_atime_ns, attrs.mtime_ns))
 
 
 class LocalRemote(Remote):
     protocols = ("file", "local")
     _root_default = "/"
     link_objects = False  # real symbolic links
+    lists_posix = True  # each entry's lstat (taken for its size anyway) and xattrs
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)
@@ -58,7 +107,16 @@ class LocalRemote(Remote):
         target = os.readlink(path)
         return ObjectInfo(name=key, is_dir=False, size=st.st_size, mtime_ns=st.st_mtime_ns, link=True,
                           target=target, version=ObjectVersion.local(st.st_mtime_ns, st.st_size, st.st_ino,
-                                                                      st.st_ctime_ns))
+                                                                      st.st_ctime_ns),
+                          posix=posix_of(path, st))
+
+    def _posix_of(self, raw: dict[str, Any], is_dir: bool) -> PosixAttrs | None:
+        """From the file itself (directories too): an lstat for the nanoseconds fsspec's float
+        mtime lost, and its xattrs. None if it is gone meanwhile."""
+        try:
+            return posix_of(raw["name"])
+        except OSError:
+            return None
 
     def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         if key:
@@ -106,13 +164,18 @@ class LocalRemote(Remote):
     def _confirm_dir(self, key: str) -> None:
         """A local listing of a missing or non-directory path fails by itself."""
 
-    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
-        """Copy to a hidden temporary name, check ``expect``, rename into place (atomic)."""
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None,
+               attrs: PosixAttrs | None = None) -> ObjectVersion | None:
+        """Copy to a hidden temporary name, check ``expect``, rename into place (atomic).
+        ``attrs`` are set on the temporary file before the rename, so the file appears with
+        them, and a failure (EPERM for a chown by a user) commits nothing."""
         size = os.path.getsize(local_path)
         target = self.full(key)
         tmp = posixpath.join(posixpath.dirname(target), f"{TMP_PREFIX}{uuid.uuid4().hex}")
         try:
             self._call("put", self.fs.put_file, local_path, tmp)
+            if attrs is not None and not attrs.empty:
+                apply_posix(tmp, attrs, replace_xattrs=False)
             self._check_expected(key, expect)
             self.fs.mv(tmp, target)
         except BaseException:
@@ -123,6 +186,21 @@ class LocalRemote(Remote):
             raise
         self.stats.add_bytes(bytes_out=size)
         return None
+
+    def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """The syscalls, after a stat that must show ``expect`` (as close as a local disk
+        allows). The version after differs: chmod and chown change ctime, utimens mtime."""
+        self._current_file(key, expect)
+        self.stats.add("setattr")
+        apply_posix(self.full(key), attrs)
+        return self.stat(key).version
+
+    def set_dir_attrs(self, key: str, attrs: PosixAttrs) -> None:
+        self.stats.add("setattr")
+        path = self.full(key)
+        if not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+        apply_posix(path, attrs)
 
     def rename(self, src: str, dst: str) -> None:
         """rename(2): atomic, and it replaces an existing target."""

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from dataclasses import replace
 
 from marinfs.errors import PreconditionFailed
-from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion
+from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import LINK_SUFFIX, MiB, Remote
 from marinfs.uploads import S3_MAX_PARTS, PartSession, upload_file
 
@@ -105,31 +105,49 @@ class ObjectStoreRemote(Remote, abc.ABC):
         return self.read_range(key + LINK_SUFFIX, 0, info.size, info.version) if info.size else b""
 
     # -- commits -------------------------------------------------------------------------------
-    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None) -> ObjectVersion | None:
-        """One conditional PUT below a part, else a part session (parts in parallel where the
-        store allows); the precondition is checked by the server, atomically."""
+    def _native(self, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """``expect`` as the server can check it: a version this store did not issue (a journal
+        from another backend) is compared with a stat now, and the write is then unconditional."""
         if expect is not None and expect.kind not in ("absent", self.version_kind):
-            # A version this store did not issue (a journal from another backend): compare.
-            return super().upload(local_path, key, expect)
+            self._check_expected(key, expect)
+            return None
+        return expect
+
+    def upload(self, local_path: str, key: str, expect: ObjectVersion | None = None,
+               attrs: PosixAttrs | None = None) -> ObjectVersion | None:
+        """One conditional PUT below a part, else a part session (parts in parallel where the
+        store allows); the precondition is checked by the server, atomically. ``attrs`` go as
+        the object's metadata in the same request (the PUT, the multipart create, the
+        resumable session's start)."""
+        expect = self._native(key, expect)
+        attrs = None if attrs is None or attrs.empty else attrs
         size = os.path.getsize(local_path)
         if size >= self.settings.upload_part_size:  # parts count their own bytes
             # S3 allows 10,000 parts: files past 160 GB get bigger parts, fewer at a time.
             part = max(self.settings.upload_part_size, -(-size // S3_MAX_PARTS // MiB) * MiB)
             in_flight = max(1, min(self.settings.upload_concurrency, (256 * MiB) // part))
-            return upload_file(local_path, lambda: self.part_session(key, expect, part),
+            return upload_file(local_path, lambda: self.part_session(key, expect, part, attrs),
                                part, self.part_pool, in_flight)
         with open(local_path, "rb") as f:
-            version = self._put_small(f.read(), key, expect)
+            version = self._put_small(f.read(), key, expect, attrs)
         self.stats.add_bytes(bytes_out=size)
         return version
 
-    @abc.abstractmethod
-    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
-        """One conditional PUT of a whole object; its new version if the store says."""
+    def put_small(self, key: str, data: bytes, expect: ObjectVersion | None) -> ObjectVersion | None:
+        version = self._put_small(data, key, self._native(key, expect))
+        self.stats.add_bytes(bytes_out=len(data))
+        return version
 
     @abc.abstractmethod
-    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> PartSession:
-        """A multipart (S3) or resumable (GCS) upload of ``key``."""
+    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None,
+                   attrs: PosixAttrs | None = None) -> ObjectVersion | None:
+        """One conditional PUT of a whole object, ``attrs`` its metadata; its new version if
+        the store says."""
+
+    @abc.abstractmethod
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None,
+                     attrs: PosixAttrs | None = None) -> PartSession:
+        """A multipart (S3) or resumable (GCS) upload of ``key``, ``attrs`` its metadata."""
 
     # -- directories ---------------------------------------------------------------------------
     def make_dir(self, key: str) -> None:

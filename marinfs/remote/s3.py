@@ -12,31 +12,56 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import fsspec.asyn
 
+from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed
-from marinfs.objects import ObjectVersion, s3_match
-from marinfs.remote.base import _exactly, _one_line, _run
+from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
+from marinfs.remote.base import MiB, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.s3http import Presigner, S3Http
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+GiB = 1 << 30
+# What a metadata REPLACE must send again, or S3 resets it (HEAD answer -> CopyObject/
+# CreateMultipartUpload parameter). StorageClass: a copy without one is STANDARD.
+_KEPT_HEADERS = ("ContentType", "ContentEncoding", "ContentLanguage", "ContentDisposition", "CacheControl",
+                 "StorageClass", "ServerSideEncryption", "SSEKMSKeyId", "WebsiteRedirectLocation")
+HEAD_REUSE_SECONDS = 5.0  # a HEAD this recent of the expected ETag spares set_attrs its own
+
+
+class _Head:
+    """What set_attrs keeps from an object's HEAD (or from the PUT we sent): its ETag, size,
+    user metadata and the headers a REPLACE must repeat."""
+
+    __slots__ = ("etag", "size", "metadata", "headers", "at")
+
+    def __init__(self, etag: str, size: int, metadata: dict[str, str], headers: dict[str, Any]) -> None:
+        self.etag, self.size, self.metadata, self.headers = etag, size, metadata, headers
+        self.at = time.monotonic()
 
 
 class S3Remote(ObjectStoreRemote):
     protocols = ("s3", "s3a")
     version_kind = "etag"
+    # CopyObject copies up to 5 GiB; past that a copy (set_attrs, rename) is a multipart
+    # upload of UploadPartCopy parts. Class attributes, so tests can lower them.
+    copy_limit: ClassVar[int] = 5 * GiB
+    copy_part_size: ClassVar[int] = 512 * MiB
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)
         self.fs.retries = 1  # s3fs's own retry loop; ours is the one that retries
         self._direct = self._direct_http()
         self._direct_refused = False  # set once a server refuses our own requests but not s3fs's
+        self._heads: dict[str, _Head] = {}  # key -> its latest HEAD (or our PUT), for set_attrs
+        self._heads_lock = threading.Lock()
         if self._direct is not None:
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
 
@@ -104,8 +129,37 @@ class S3Remote(ObjectStoreRemote):
     def _head_object(self, full: str) -> dict[str, Any]:
         bucket, key, _ = self.fs.split_path(full)
         head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
-        return {"name": full, "type": "file", "size": head.get("ContentLength", 0),
-                "ETag": head.get("ETag"), "LastModified": head.get("LastModified")}
+        metadata = dict(head.get("Metadata") or {})
+        size = head.get("ContentLength", 0)
+        etag = (head.get("ETag") or "").strip('"')
+        if etag:
+            self._remember(full, _Head(etag, size, metadata, {k: head[k] for k in _KEPT_HEADERS if head.get(k)}))
+        return {"name": full, "type": "file", "size": size, "ETag": head.get("ETag"),
+                "LastModified": head.get("LastModified"), "Metadata": metadata}
+
+    def _posix_of(self, raw: dict[str, Any], is_dir: bool) -> PosixAttrs | None:
+        """From a HEAD's user metadata; a listing carries none (None: the record's job)."""
+        if is_dir or "Metadata" not in raw:
+            return None
+        return posixmeta.from_s3(raw["Metadata"])
+
+    def _remember(self, full: str, head: _Head) -> None:
+        with self._heads_lock:
+            if len(self._heads) >= 4096:
+                self._heads.clear()
+            self._heads[full] = head
+
+    def _recent_head(self, full: str, etag: str | None) -> _Head | None:
+        with self._heads_lock:
+            head = self._heads.get(full)
+        if head is None or etag is None or head.etag != etag or time.monotonic() - head.at > HEAD_REUSE_SECONDS:
+            return None
+        return head
+
+    def _fresh_head(self, full: str) -> _Head:
+        self._call("head", self._head_object, full)
+        with self._heads_lock:
+            return self._heads[full]
 
     def _prefix_exists(self, full: str) -> bool:
         bucket, key, _ = self.fs.split_path(full)
@@ -158,20 +212,23 @@ class S3Remote(ObjectStoreRemote):
         return fsspec.asyn.sync(self.fs.loop, get)
 
     # -- commits -------------------------------------------------------------------------------
-    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None) -> ObjectVersion | None:
+    def _put_small(self, data: bytes, key: str, expect: ObjectVersion | None,
+                   attrs: PosixAttrs | None = None) -> ObjectVersion | None:
         full = self.full(key)
         bucket, path, _ = self.fs.split_path(full)
         md5 = hashlib.md5(data)
+        metadata = posixmeta.to_s3(attrs) if attrs is not None else {}
+        extra: dict[str, Any] = {"Metadata": metadata} if metadata else {}
 
         def sdk_put() -> str | None:
             out = self._call("put", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "put_object",
-                             Bucket=bucket, Key=path, Body=data, **s3_match(expect))
+                             Bucket=bucket, Key=path, Body=data, **s3_match(expect), **extra)
             return (out.get("ETag") or "").strip('"') or None
 
         def direct_put() -> str | None:
             assert self._direct is not None
             self.stats.add("put")  # not seen by botocore's hook: count it here
-            return self._call("put", self._direct.put, full, data, s3_match(expect))
+            return self._call("put", self._direct.put, full, data, s3_match(expect), metadata)
 
         try:
             etag = self._direct_first("put", direct_put, sdk_put)
@@ -185,9 +242,118 @@ class S3Remote(ObjectStoreRemote):
             if current.version != ObjectVersion.etag(md5.hexdigest()):
                 raise
             etag = md5.hexdigest()
+        if etag:
+            self._remember(full, _Head(etag, len(data), metadata, {}))  # what we sent is what is there
         return ObjectVersion.etag(etag) if etag else None
 
-    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None) -> S3Session:
+    # -- persisted POSIX metadata --------------------------------------------------------------
+    def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """CopyObject of the object onto itself with ``MetadataDirective=REPLACE`` and
+        ``x-amz-copy-source-if-match``: no bytes leave us, and another writer's bytes are never
+        given our metadata. The REPLACE carries the object's other user metadata and the
+        headers S3 would reset (Content-Type...), from a HEAD (or the one a stat or our PUT made
+        under 5 s ago, of the same ETag). Past ``copy_limit`` (5 GiB) a multipart copy."""
+        if expect is not None and expect.kind != "etag":
+            expect = self._current_file(key, expect).version  # a foreign version: compared once
+        full = self.full(key)
+        head = self._recent_head(full, expect.value if expect is not None else None)
+        if head is None:
+            try:
+                head = self._fresh_head(full)
+            except FileNotFoundError:
+                if self._call("list", self._prefix_exists, full):
+                    raise IsADirectoryError(full) from None
+                raise
+        if expect is not None and ObjectVersion.etag(head.etag) != expect:
+            raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
+        metadata = posixmeta.s3_replace(head.metadata, attrs)
+        try:
+            etag = self._copy_object(full, full, head, metadata)
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "no such object", full) from None
+        self._remember(full, _Head(etag, head.size, metadata, head.headers))
+        return ObjectVersion.etag(etag)
+
+    def copy(self, src: str, dst: str) -> None:
+        """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
+        carries the source's metadata (s3fs's would drop it)."""
+        source, target = self.full(src), self.full(dst)
+        head = self._fresh_head(source)
+        self._copy_object(source, target, head, None)
+
+    def _copy_object(self, source: str, target: str, head: _Head, metadata: dict[str, str] | None) -> str:
+        """Copy ``source`` as it is in ``head`` (If-Match on its ETag) to ``target``; with
+        ``metadata``, that user metadata replaces the source's. Answers the new ETag."""
+        sbucket, skey, _ = self.fs.split_path(source)
+        bucket, key, _ = self.fs.split_path(target)
+        src = {"Bucket": sbucket, "Key": skey}
+        match = {"CopySourceIfMatch": f'"{head.etag}"'}
+        replace = {} if metadata is None else {"MetadataDirective": "REPLACE", "Metadata": metadata, **head.headers}
+        if head.size > self.copy_limit:
+            return self._copy_parts(src, bucket, key, head, head.metadata if metadata is None else metadata, match)
+        out = self._call("copy", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, "copy_object", Bucket=bucket,
+                         Key=key, CopySource=src, **match, **replace)
+        return (out.get("CopyObjectResult", {}).get("ETag") or "").strip('"')
+
+    def _copy_parts(self, src: dict[str, str], bucket: str, key: str, head: _Head, metadata: dict[str, str],
+                    match: dict[str, str]) -> str:
+        """A multipart upload of UploadPartCopy parts (S3's way past 5 GiB), each part
+        conditional on the source's ETag, parts copied in parallel; aborted on failure."""
+        def s3(op: str, **kw: Any) -> Any:
+            return self._call("part", fsspec.asyn.sync, self.fs.loop, self.fs._call_s3, op, Bucket=bucket, Key=key, **kw)
+
+        part = max(self.copy_part_size, -(-head.size // 10_000 // MiB) * MiB)
+        upload_id = s3("create_multipart_upload", Metadata=metadata, **head.headers)["UploadId"]
+        try:
+            def one(number: int) -> dict[str, Any]:
+                start = (number - 1) * part
+                end = min(head.size, start + part) - 1
+                out = s3("upload_part_copy", UploadId=upload_id, PartNumber=number, CopySource=src,
+                         CopySourceRange=f"bytes={start}-{end}", **match)
+                return {"PartNumber": number, "ETag": out["CopyPartResult"]["ETag"]}
+
+            numbers = range(1, -(-head.size // part) + 1)
+            parts = list(self.part_pool.map(one, numbers))
+            out = s3("complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key,
+                                 UploadId=upload_id)
+            except Exception as exc:  # noqa: BLE001 - best effort: a lifecycle rule reaps the rest
+                log.warning("could not abort the multipart copy to %s: %s", key, exc)
+            raise
+        return (out.get("ETag") or "").strip('"')
+
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        """One GET of the whole object: its body and the ETag of that body."""
+        full = self.full(key)
+        bucket, path, _ = self.fs.split_path(full)
+
+        def sdk() -> tuple[bytes, str]:
+            async def get() -> tuple[bytes, str]:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=path)
+                async with resp["Body"] as body:
+                    return await body.read(), resp.get("ETag") or ""
+
+            return self._call("get", fsspec.asyn.sync, self.fs.loop, get)
+
+        def direct() -> tuple[bytes, str]:
+            assert self._direct is not None
+
+            def get() -> tuple[bytes, str]:
+                self.stats.add("get")  # not seen by botocore's hook
+                return self._direct.get_whole(full)
+
+            return self._call("get", get)
+
+        data, etag = self._direct_first("get", direct, sdk)
+        self.stats.add_bytes(bytes_in=len(data))
+        if not etag:
+            raise OSError(5, f"GET {full}: no ETag in the answer")
+        return data, ObjectVersion.etag(etag)
+
+    def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None,
+                     attrs: PosixAttrs | None = None) -> S3Session:
         """A multipart upload of ``key``: its parts over plain HTTP where the direct path is on."""
         full = self.full(key)
         bucket, path, _ = self.fs.split_path(full)
@@ -206,9 +372,10 @@ class S3Remote(ObjectStoreRemote):
 
                 return self._direct_first("part", ours, sdk)
 
+        metadata = posixmeta.to_s3(attrs) if attrs is not None else {}
         return S3Session(self.fs, bucket, path, expect, part_size or self.settings.upload_part_size,
                          lambda kind, fn: self._call(kind, fn), lambda n: self.stats.add_bytes(bytes_out=n),
-                         put_part=put_part)
+                         put_part=put_part, metadata=metadata)
 
 
 class S3Session:
@@ -220,14 +387,17 @@ class S3Session:
 
     def __init__(self, fs: Any, bucket: str, key: str, expect: ObjectVersion | None, part_size: int,
                  run: Runner, sent: Counter = lambda n: None,
-                 put_part: Callable[[str, int, bytes], str] | None = None) -> None:
+                 put_part: Callable[[str, int, bytes], str] | None = None,
+                 metadata: dict[str, str] | None = None) -> None:
         self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
         self._sent = sent
         self._put_part = put_part  # parts sent without s3fs (s3http.py), if given
         self.match = s3_match(expect)
         self.etags: dict[int, str] = {}
         self._lock = threading.Lock()
-        out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)))
+        extra = {"Metadata": metadata} if metadata else {}
+        out = run("part", lambda: _run(fs.loop, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key,
+                                                            **extra)))
         self.upload_id = out["UploadId"]
 
     def send(self, index: int, data: bytes, total: int | None = None) -> None:

@@ -116,15 +116,25 @@ class S3Http:
             return b""
         return resp.data if resp.status == 206 else resp.data[start:end]  # 200: the server ignored the range
 
-    def put(self, full: str, data: bytes, match: dict[str, str]) -> str | None:
+    def get_whole(self, full: str) -> tuple[bytes, str]:
+        """The whole object and the ETag (unquoted) of those very bytes, in one GET."""
+        resp = self._send("GET", full, lambda fresh: self._url(full, fresh), answers={
+            404: lambda: FileNotFoundError(2, "no such object", full)})
+        return resp.data, (resp.headers.get("ETag") or "").strip('"')
+
+    def put(self, full: str, data: bytes, match: dict[str, str], metadata: dict[str, str] | None = None) -> str | None:
         """Write ``data`` as ``full`` in one PUT; answers the new ETag (unquoted).
 
         ``match`` is the precondition as botocore parameters (``IfMatch``/``IfNoneMatch``); it is
         signed into the URL with the body's Content-MD5, so a server that checks signatures
-        sees exactly what was signed. A 412 is PreconditionFailed, never retried."""
+        sees exactly what was signed. A 412 is PreconditionFailed, never retried. ``metadata``
+        (user metadata, keys without ``x-amz-meta-``) is signed the same way, as headers."""
         md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
-        params = {"ContentMD5": md5, **match}
+        params: dict[str, Any] = {"ContentMD5": md5, **match}
         headers = {"Content-MD5": md5, **{_HEADER[k]: v for k, v in match.items()}}
+        if metadata:
+            params["Metadata"] = metadata
+            headers.update({f"x-amz-meta-{k}": v for k, v in metadata.items()})
         resp = self._send("PUT", full, lambda fresh: self._presign(full, PRESIGN_SECONDS, "put_object", **params),
                           headers, data, answers={
                               412: lambda: PreconditionFailed(f"{full} changed since it was opened"),
