@@ -790,6 +790,19 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (info.version, staged.mtime_ns)
         self.metadata.put_own(info)
+        self._entries_changed(key)
+
+    def _entries_changed(self, *keys: str) -> None:
+        """The directories of ``keys`` gained, lost or replaced an entry. A local disk's
+        directories have real times that this moves (a commit renames into place): their
+        cached stats go, so ``rsync -a`` and ``tar`` setting a directory's mtime after its
+        files compare with the time it has now. Object stores keep a directory's time as set."""
+        if self.remote.object_store or not self.remote.lists_posix:
+            return
+        for key in keys:
+            parent = posixpath.dirname(key)
+            if parent:
+                self.metadata.forget(parent)
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
         own = self._own_mtimes.get(info.name) if not info.is_dir else None
@@ -878,6 +891,7 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (version, info.mtime_ns)
         self.metadata.put_own(info)
+        self._entries_changed(key)
 
     def readlink(self, path: str) -> str:
         """The target text of link ``path``: from its stat where the store keeps it there (local
@@ -917,6 +931,7 @@ class Filesystem:
                 self.remote.delete_link(key)
             finally:
                 self.metadata.invalidate(key)
+                self._entries_changed(key)
             return
         open_staged = self._staged.get(key)
         if open_staged is not None:
@@ -932,6 +947,7 @@ class Filesystem:
                 raise
         finally:
             self.metadata.invalidate(key)
+            self._entries_changed(key)
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
         """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
@@ -947,6 +963,7 @@ class Filesystem:
             self.remote.set_dir_attrs(key, attrs)
         self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns(), posix=attrs))
         self.metadata.put_listing(key, [])  # we just made it: nothing is in it yet
+        self._entries_changed(key)
 
     def rmdir(self, path: str) -> None:
         self._writable()
@@ -961,6 +978,7 @@ class Filesystem:
         self._check_empty(key)
         self.remote.remove_dir(key)
         self.metadata.invalidate_tree(key)
+        self._entries_changed(key)
 
     def _check_empty(self, key: str) -> None:
         try:
@@ -1009,6 +1027,7 @@ class Filesystem:
                 self._rename_file(src, dst)
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
+        self._entries_changed(src, dst)
 
     def _move_staged(self, src: str, dst: str) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.
