@@ -16,9 +16,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "posixmeta"},
+    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta"},
     {"config", "cachecli", "reader", "staging"},
-    {"configfile", "mount_helper", "remote.base"},
+    {"configfile", "mount_helper", "remote.base", "remote.recorded"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http"},
     {"remote.s3", "remote.gcs"},
     {"remote"},

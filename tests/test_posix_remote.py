@@ -227,7 +227,9 @@ def test_list_carries_posix_only_where_the_listing_has_it(remote: Remote, tmp_pa
         assert entries["f"].posix.mode == 0o600 and entries["f"].posix.xattrs == (("user.k", b"v"),)
         assert entries["d"].posix is not None and entries["d"].posix.mtime_ns == os.stat(remote.full("d")).st_mtime_ns
     else:
-        assert entries["f"].posix is None and entries["d"].posix is None
+        # The LIST carries none: the directory record (remote/recorded.py) fills it in.
+        assert entries["f"].posix == PosixAttrs(mode=0o600, xattrs=(("user.k", b"v"),))
+        assert entries["d"].posix == NO_ATTRS
         assert remote.stat("f").posix.mode == 0o600
 
 
@@ -435,7 +437,8 @@ def test_store_list_carries_posix_on_gcs_only(store: Any, tmp_path: Path) -> Non
     remote.upload(_src(tmp_path), "d/f", ABSENT, attrs=PosixAttrs(mode=0o600, uid=7))
     entries = {i.name: i for i in remote.list("d")}
     if remote.protocol.startswith("s3"):
-        assert not remote.lists_posix and entries["d/f"].posix is None
+        # The LIST carries none: the directory record (remote/recorded.py) fills it in.
+        assert not remote.lists_posix and entries["d/f"].posix == PosixAttrs(mode=0o600, uid=7)
     else:
         assert remote.lists_posix and entries["d/f"].posix == PosixAttrs(mode=0o600, uid=7)
 
@@ -502,6 +505,22 @@ def test_store_read_small_and_put_small(store: Any) -> None:
         remote.read_small("d/nothing")
 
 
+@pytest.mark.objectstore
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["presigned", "s3fs"])
+def test_s3_put_metadata_is_signed_into_the_presigned_url_or_sent_by_s3fs(request: pytest.FixtureRequest,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path, direct: str) -> None:
+    monkeypatch.setenv("MARINFS_DIRECT_GET", direct)
+    url, options, _ = object_store(request, "s3")
+    remote = Remote(url, options)
+    assert (remote._direct is not None) == (direct == "1")
+    remote.upload(_src(tmp_path), "f", ABSENT, attrs=FULL)
+    assert not remote._direct_refused  # a signature mismatch would be a 403, then s3fs's PUT
+    assert remote.stat("f").posix == FULL
+    remote.close()
+
+
+@pytest.mark.objectstore
 def test_s3_past_the_copy_limit_set_attrs_and_copy_are_multipart_copies(request: pytest.FixtureRequest,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -27,6 +28,7 @@ from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
 from marinfs.remote.base import _exactly, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.recorded import Recorded
 from marinfs.uploads import Counter, Runner
 
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
@@ -34,7 +36,7 @@ SYMLINK_METADATA = "gcsfuse_symlink_target"  # gcsfuse's key for a link's target
 META_REUSE_SECONDS = 5.0  # object metadata seen this recently spares set_attrs a GET
 
 
-class GCSRemote(ObjectStoreRemote):
+class GCSRemote(Recorded, ObjectStoreRemote):
     protocols = ("gs", "gcs")
     version_kind = "generation"
     link_objects = False  # gcsfuse's links: SYMLINK_METADATA on an empty object
@@ -98,13 +100,13 @@ class GCSRemote(ObjectStoreRemote):
         target = (raw.get("metadata") or {}).get(SYMLINK_METADATA) if not info.is_dir else None
         if target is None:
             return info
-        return ObjectInfo(name=info.name, is_dir=False, size=len(target.encode("utf-8", "surrogateescape")),
-                          mtime_ns=info.mtime_ns, version=info.version, link=True, target=target)
+        return replace(info, size=len(target.encode("utf-8", "surrogateescape")), link=True, target=target)
 
     # -- symbolic links (gcsfuse's) ------------------------------------------------------------
     def symlink(self, key: str, target: str) -> ObjectVersion | None:
         """One upload of an empty object with the target in its metadata; it must not exist
         (``ifGenerationMatch=0``). Answers its generation."""
+        self._refuse_record(key)
         try:
             out = self._call("put", self.fs.pipe_file, self.full(key), b"", metadata={SYMLINK_METADATA: target},
                              mode="create")

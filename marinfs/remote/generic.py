@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 from marinfs.errors import PreconditionFailed
-from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import Remote
+from marinfs.remote.recorded import Recorded
 
 
 class GenericRemote(Remote, fallback=True):
@@ -54,12 +55,13 @@ def _generation(stored: Any) -> int:
     return generation
 
 
-class MemoryRemote(Remote):
+class MemoryRemote(Recorded, Remote):
     """fsspec's process-wide ``memory://`` store with real versions and preconditions.
 
     Writes that bypass the Remote (a test's ``remote.fs.pipe_file``, another Remote) still make
     new objects, so they get new generations too, and no POSIX metadata (as a plain PUT).
-    Listings carry no POSIX metadata, as on S3: the directory record is tested without servers."""
+    Listings carry no POSIX metadata, as on S3: the directory record (remote/recorded.py) is
+    tested without servers."""
 
     protocols = ("memory",)
 
@@ -87,6 +89,7 @@ class MemoryRemote(Remote):
         """The precondition checked and the object replaced with no other commit of this key in
         between (like S3's If-Match); answers the new object's generation. ``attrs`` are
         stored with the new object."""
+        self._refuse_record(key)
         full = self.full(key)
         with self._lock(full):
             self._check_expected(key, expect)
@@ -98,6 +101,7 @@ class MemoryRemote(Remote):
                 if attrs is not None and not attrs.empty:
                     setattr(stored, _POSIX_ATTR, attrs)
         self.stats.add_bytes(bytes_out=os.path.getsize(local_path))
+        self._recorded_attrs(key, version, attrs)
         return version
 
     def set_attrs(self, key: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> ObjectVersion | None:
@@ -111,6 +115,7 @@ class MemoryRemote(Remote):
             if stored is None or info.version != self._version(stored):
                 raise PreconditionFailed(f"{self.url}/{key} changed since it was opened")
             setattr(stored, _POSIX_ATTR, attrs)
+        self._recorded_attrs(key, info.version, attrs, metadata_only=True)
         return info.version
 
     def copy(self, src: str, dst: str) -> None:
@@ -137,9 +142,13 @@ class MemoryRemote(Remote):
         return data, version
 
     def put_small(self, key: str, data: bytes, expect: ObjectVersion | None) -> ObjectVersion | None:
+        """The precondition checked on the stored object itself, under its commit lock (a stat
+        would not see the directory record, which stat hides)."""
         full = self.full(key)
         with self._lock(full):
-            self._check_expected(key, expect)
+            stored = self._stored(key)
+            if expect is not None and (ABSENT if stored is None else self._version(stored)) != expect:
+                raise PreconditionFailed(f"{self.url}/{key} changed since it was read")
             self._call("put", self.fs.pipe_file, full, data)
             stored = self._stored(key)
         self.stats.add_bytes(bytes_out=len(data))

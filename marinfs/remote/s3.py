@@ -23,6 +23,7 @@ from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
 from marinfs.remote.base import MiB, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
 from marinfs.uploads import Counter, Runner
 
@@ -47,7 +48,7 @@ class _Head:
         self.at = time.monotonic()
 
 
-class S3Remote(ObjectStoreRemote):
+class S3Remote(Recorded, ObjectStoreRemote):
     protocols = ("s3", "s3a")
     version_kind = "etag"
     # CopyObject copies up to 5 GiB; past that a copy (set_attrs, rename) is a multipart
@@ -272,7 +273,9 @@ class S3Remote(ObjectStoreRemote):
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such object", full) from None
         self._remember(full, _Head(etag, head.size, metadata, head.headers))
-        return ObjectVersion.etag(etag)
+        version = ObjectVersion.etag(etag)
+        self._recorded_attrs(key, version, attrs, metadata_only=True)  # the directory record's entry
+        return version
 
     def copy(self, src: str, dst: str) -> None:
         """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
