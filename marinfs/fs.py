@@ -313,7 +313,24 @@ class Filesystem:
             self.metadata.invalidate(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
         self.metadata.put_stat(fresh)
+        if fresh.posix is None and fresh.is_dir:
+            return self._listed_posix(key)
         return fresh.posix if fresh.posix is not None else NO_ATTRS
+
+    def _listed_posix(self, key: str) -> PosixAttrs:
+        """A directory's attributes as its parent's listing tells them: object stores keep them
+        in the parent's directory record, which a stat does not read. Only where they must be
+        exact (a chmod merges into them, getxattr reads them): one LIST of the parent, cached."""
+        parent = posixpath.dirname(key)
+        children = self.metadata.get_listing(parent)
+        if children is None:
+            token = self.metadata.begin_listing(parent)
+            try:
+                children = self.remote.list(parent)
+            finally:
+                self.metadata.end_listing(parent, token, children)
+        found = next((c for c in children if c.name == key), None)
+        return found.posix if found is not None and found.posix is not None else NO_ATTRS
 
     def _attrs_of(self, key: str) -> PosixAttrs:
         """The attributes shown for ``key`` now (this node's uncommitted ones first)."""
