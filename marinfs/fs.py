@@ -34,6 +34,7 @@ from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
 from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
@@ -56,9 +57,11 @@ XATTR_VERSION = "user.marinfs.version"
 XATTR_OURS = "user.marinfs."
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags (linux/xattr.h)
 XATTR_SIZE_MAX = 65536  # one value, as the kernel and ext4 allow
-# All of a file's user.* names and values together, where the store does not say less (its
-# ``max_xattr_bytes``: S3 keeps 2 KiB of user metadata in all).
+# All of a file's user.* names and values together, where the store does not say less (a
+# ``max_xattr_bytes`` of its own); on S3 and GCS what counts is the object metadata they are
+# encoded into (posixmeta.py): S3 keeps 2 KiB of user metadata in all, GCS 8 KiB.
 XATTR_TOTAL_MAX = 65536
+METADATA_MAX = {"s3": 2048, "s3a": 2048, "gs": 8192, "gcs": 8192}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -463,8 +466,6 @@ class Filesystem:
             raise FsError(errno.ENOTSUP, f"{name}: only user.* attributes are stored, where the store keeps them")
         if len(value) > XATTR_SIZE_MAX:
             raise FsError(errno.E2BIG, f"{name}: {len(value)} bytes")
-        budget = getattr(self.remote, "max_xattr_bytes", XATTR_TOTAL_MAX)
-
         def change(attrs: PosixAttrs) -> PosixAttrs:
             exists = attrs.xattr(name) is not None
             if flags & XATTR_CREATE and exists:
@@ -472,12 +473,22 @@ class Filesystem:
             if flags & XATTR_REPLACE and not exists:
                 raise FsError(errno.ENODATA, name)
             new = attrs.with_xattr(name, bytes(value))
-            if sum(len(n.encode()) + len(v) for n, v in new.xattrs) > budget:
+            if not self._fits(new):
                 # As ext4 when its attribute block is full: the store keeps no more (S3: 2 KiB).
-                raise FsError(errno.ENOSPC, f"{key}: more than {budget} bytes of user.* attributes")
+                raise FsError(errno.ENOSPC, f"{key}: the store cannot keep that many bytes of attributes")
             return new
 
         self._change_attrs(path, fh, change)
+
+    def _fits(self, attrs: PosixAttrs) -> bool:
+        """Whether the store can keep ``attrs``: checked before anything is sent, so a value
+        too big fails its setxattr with ENOSPC, not a later close with EIO."""
+        limit = getattr(self.remote, "max_xattr_bytes", None)
+        if limit is None and self.remote.protocol in METADATA_MAX:
+            encoded = to_s3(attrs) if self.remote.protocol.startswith("s3") else to_gcs(attrs)
+            size = sum(len(k.encode()) + len(v.encode()) for k, v in encoded.items())
+            return size <= METADATA_MAX[self.remote.protocol]
+        return sum(len(n.encode()) + len(v) for n, v in attrs.xattrs) <= (limit or XATTR_TOTAL_MAX)
 
     def removexattr(self, path: str, name: str) -> None:
         self._writable()
