@@ -1,5 +1,6 @@
-"""Calls beyond plain bytes (issue 16, the part that needs no object metadata): fallocate,
-extended attributes, mknod/mkfifo, hard links, and the kernel's permission checks.
+"""Calls beyond plain bytes (issue 16): fallocate, extended attributes, mknod/mkfifo, hard
+links, the kernel's permission checks, and the persisted POSIX metadata (chmod, chown,
+utimens, user xattrs, create modes) kept across remounts by cp -a, tar -x and rsync -a.
 
 Core tests call ``Filesystem`` as the adapter does; mount tests run the real tools on every
 backend through the ``mounted`` fixture and check the bytes in the remote through fsspec.
