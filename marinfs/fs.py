@@ -535,10 +535,16 @@ class Filesystem:
             staged.truncate(0)
         return staged
 
-    def _stream(self, fd: int, key: str, expect: ObjectVersion | None) -> PartStream:
+    def _stream(self, fd: int, key: str, expect: ObjectVersion | None, attrs: PosixAttrs | None = None) -> PartStream:
+        """A part upload of a new or truncated file; ``attrs`` (a create mode) go with it."""
         settings = self.remote.settings
-        return PartStream(fd, lambda: self.remote.part_session(key, expect), settings.upload_part_size,
-                          self.remote.part_pool, settings.upload_concurrency)
+
+        def session() -> Any:
+            if attrs is None:
+                return self.remote.part_session(key, expect)
+            return self.remote.part_session(key, expect, attrs=attrs)
+
+        return PartStream(fd, session, settings.upload_part_size, self.remote.part_pool, settings.upload_concurrency)
 
     def _release_staged(self, staged: StagedFile) -> None:
         with self._lock:

@@ -78,7 +78,7 @@ class StagedFile:
     def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
                  base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
                  base_version: ObjectVersion | None = None,
-                 stream: Callable[[int, str, ObjectVersion], PartStream] | None = None,
+                 stream: Callable[..., PartStream] | None = None,
                  attrs: PosixAttrs | None = None) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
@@ -109,8 +109,15 @@ class StagedFile:
         self.failures = 0  # commits of these bytes that failed, and the last one's error
         self.last_error: BaseException | None = None
         self.stream: PartStream | None = None
+        # The attributes the stream's upload was begun with (a create mode): a commit with the
+        # same needs no metadata update after it.
+        self.streamed_attrs: PosixAttrs | None = None
         if stream is not None and seed is None:
-            self.stream = stream(self.fd, key, self.expected)
+            if attrs is not None and not attrs.empty:
+                self.stream = stream(self.fd, key, self.expected, attrs)
+                self.streamed_attrs = attrs
+            else:
+                self.stream = stream(self.fd, key, self.expected)
 
     @property
     def failed_unchanged(self) -> bool:
@@ -270,7 +277,7 @@ class StagedFile:
                     version = upload(self.path, key or self.key, expect)
                 else:
                     version = upload(self.path, key or self.key, expect, attrs=attrs)
-            elif attrs is not None and set_attrs is not None:
+            elif attrs is not None and attrs != self.streamed_attrs and set_attrs is not None:
                 version = set_attrs(self.key, attrs, version) or version
             self.dirty = False
             self._drop_journal()

@@ -855,3 +855,31 @@ def test_cp_a_of_many_files_carries_their_attributes_in_their_uploads(store: Sto
             assert 100 <= got.get("put", 0) <= 110, got  # one each, the marker, a few records
     with store.mount() as (mnt, core):
         same_tree(src, mnt / "many")
+
+
+def test_streamed_uploads_carry_a_create_mode_and_are_followed_by_later_changes(store: Store) -> None:
+    """A big file is uploaded while written (S3 multipart, GCS resumable): a mode given at
+    create goes with that upload; a utimens before close, made after it began, costs one
+    metadata update after it."""
+    data = os.urandom(40 * MiB)
+    with store.mount() as (mnt, core):
+        core.remote.stats.reset()
+        fd = os.open(mnt / "private.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        for offset in range(0, len(data), MiB):
+            os.write(fd, data[offset:offset + MiB])
+        os.close(fd)
+        created = counts(core)
+        fd = os.open(mnt / "dated.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for offset in range(0, len(data), MiB):
+            os.write(fd, data[offset:offset + MiB])
+        os.utime(fd, ns=(10**18, 10**18))
+        os.close(fd)
+        dated = {k: v - created.get(k, 0) for k, v in counts(core).items()}
+        print("streamed with a create mode:", created, "then with a utimens:", dated)
+        if core.remote.streams:
+            assert not {"copy", "patch"} & set(created), created
+            assert dated.get("copy", 0) + dated.get("patch", 0) == 1, dated
+    with store.mount() as (mnt, core):
+        assert stat.S_IMODE(os.stat(mnt / "private.bin").st_mode) == 0o600
+        assert os.stat(mnt / "dated.bin").st_mtime_ns == 10**18
+        assert (mnt / "dated.bin").read_bytes() == data
