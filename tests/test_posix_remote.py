@@ -21,7 +21,6 @@ from marinfs.errors import FsError, PreconditionFailed
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
 from marinfs.remote import GenericRemote, Remote
 from mounting import fsspec_client
-import tiers
 
 T2020 = 1577923200_000000000  # 2020-01-02T00:00:00Z
 FULL = PosixAttrs(mode=0o4750, uid=1234, gid=5678, mtime_ns=T2020 + 123456789,

@@ -71,8 +71,9 @@ def _reachable(name: str) -> bool:
 
 
 class RequestStats:
-    """Counts remote requests by kind (list, head, get, put, part, copy, delete), failures and
-    bytes moved; thread-safe, resettable by tests."""
+    """Counts remote requests by kind (list, head, get, put, part, copy, delete; patch: a GCS
+    metadata PATCH; setattr: local metadata syscalls), failures and bytes moved; thread-safe,
+    resettable by tests."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

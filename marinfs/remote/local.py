@@ -10,7 +10,6 @@ the prefix, so a mount never becomes a way out of the tree it was given.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import posixpath
 import stat
@@ -21,7 +20,6 @@ from marinfs.errors import UsageError
 from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import TMP_PREFIX, Remote
 
-log = logging.getLogger(__name__)
 XATTR_PREFIX = "user."
 
 
@@ -29,18 +27,21 @@ def posix_of(path: str, st: os.stat_result | None = None) -> PosixAttrs:
     """What the file at ``path`` (never followed) holds: every field, since a local file always
     has a mode, owner and mtime; and its ``user.*`` xattrs (none where the filesystem keeps none)."""
     st = st or os.lstat(path)
-    items: list[tuple[str, bytes]] = []
+    xattrs: tuple[tuple[str, bytes], ...] = ()
     try:
-        for name in os.listxattr(path, follow_symlinks=False):
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        names = []  # ENOTSUP and friends: no xattrs here
+    if names:  # (most files have none: a listing pays one listxattr per entry, no more)
+        items = []
+        for name in names:
             if name.startswith(XATTR_PREFIX):
                 try:
                     items.append((name, os.getxattr(path, name, follow_symlinks=False)))
                 except OSError:
                     pass  # removed meanwhile, or not readable
-    except OSError:
-        pass  # ENOTSUP and friends: no xattrs here
-    return PosixAttrs(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns,
-                      xattrs=tuple(sorted(items)))
+        xattrs = tuple(sorted(items))
+    return PosixAttrs(st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_mtime_ns, xattrs)
 
 
 def apply_posix(path: str, attrs: PosixAttrs, replace_xattrs: bool = True) -> None:

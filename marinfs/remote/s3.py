@@ -128,15 +128,20 @@ class S3Remote(Recorded, ObjectStoreRemote):
 
     # -- metadata ------------------------------------------------------------------------------
     def _head_object(self, full: str) -> dict[str, Any]:
+        return self._head_both(full)[0]
+
+    def _head_both(self, full: str) -> tuple[dict[str, Any], _Head]:
+        """One HEAD: as an fsspec info dict, and as what set_attrs needs (remembered)."""
         bucket, key, _ = self.fs.split_path(full)
         head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
         metadata = dict(head.get("Metadata") or {})
         size = head.get("ContentLength", 0)
-        etag = (head.get("ETag") or "").strip('"')
-        if etag:
-            self._remember(full, _Head(etag, size, metadata, {k: head[k] for k in _KEPT_HEADERS if head.get(k)}))
+        seen = _Head((head.get("ETag") or "").strip('"'), size, metadata,
+                     {k: head[k] for k in _KEPT_HEADERS if head.get(k)})
+        if seen.etag:
+            self._remember(full, seen)
         return {"name": full, "type": "file", "size": size, "ETag": head.get("ETag"),
-                "LastModified": head.get("LastModified"), "Metadata": metadata}
+                "LastModified": head.get("LastModified"), "Metadata": metadata}, seen
 
     def _posix_of(self, raw: dict[str, Any], is_dir: bool) -> PosixAttrs | None:
         """From a HEAD's user metadata; a listing carries none (None: the record's job)."""
@@ -158,9 +163,7 @@ class S3Remote(Recorded, ObjectStoreRemote):
         return head
 
     def _fresh_head(self, full: str) -> _Head:
-        self._call("head", self._head_object, full)
-        with self._heads_lock:
-            return self._heads[full]
+        return self._call("head", self._head_both, full)[1]
 
     def _prefix_exists(self, full: str) -> bool:
         bucket, key, _ = self.fs.split_path(full)
@@ -290,7 +293,7 @@ class S3Remote(Recorded, ObjectStoreRemote):
         sbucket, skey, _ = self.fs.split_path(source)
         bucket, key, _ = self.fs.split_path(target)
         src = {"Bucket": sbucket, "Key": skey}
-        match = {"CopySourceIfMatch": f'"{head.etag}"'}
+        match = {"CopySourceIfMatch": f'"{head.etag}"'} if head.etag else {}
         replace = {} if metadata is None else {"MetadataDirective": "REPLACE", "Metadata": metadata, **head.headers}
         if head.size > self.copy_limit:
             return self._copy_parts(src, bucket, key, head, head.metadata if metadata is None else metadata, match)
