@@ -5,16 +5,26 @@ objectstore: SeaweedFS)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from conftest import object_store
 from marinfs.dirmeta import RECORD_NAME, DirRecords, decode, encode, record_key
-from marinfs.errors import PreconditionFailed, RemoteError
+from marinfs.errors import FsError, PreconditionFailed, RemoteError
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote
+from marinfs.remote.recorded import hooks_missing
+from mounting import fsspec_client
+import tiers
 
 
 class FakeStore:
@@ -107,7 +117,6 @@ def test_encode_decode_round_trip() -> None:
     data = encode(entries)
     assert decode(data) == entries
     assert encode(decode(data)) == data  # canonical: equal records are equal bytes
-    import json
     doc = json.loads(data)
     assert doc["v"] == 1 and doc["entries"]["b"] == {"version": "eabc", "mode": 0o600}  # only what is set
     assert doc["entries"]["sub/"] == {"uid": 7}  # a directory has no version
@@ -432,19 +441,6 @@ def test_a_stat_that_carries_attributes_repairs_an_existing_record(store: FakeSt
 
 
 # -- wired into the remotes (core: memory://; objectstore: SeaweedFS) -----------------------------
-import errno as _errno  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import tiers  # noqa: E402
-from conftest import object_store  # noqa: E402
-from marinfs.errors import FsError  # noqa: E402
-from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote  # noqa: E402
-from marinfs.remote.recorded import hooks_missing  # noqa: E402
-from mounting import fsspec_client  # noqa: E402
-
-
 class Peer:
     """Another client of the same prefix (raw fsspec: no marinfs), and a way to make a second
     marinfs node of it."""
@@ -579,7 +575,7 @@ def test_the_record_name_is_reserved(backend: tuple[Remote, Peer], tmp_path: Pat
                     lambda: remote.symlink("d/" + RECORD_NAME, "a")):
         with pytest.raises(FsError) as err:
             attempt()
-        assert err.value.errno == _errno.EPERM
+        assert err.value.errno == errno.EPERM
     with pytest.raises(FileNotFoundError):
         remote.stat("d/" + RECORD_NAME)
     assert [i.name for i in remote.list("d")] == ["d/a"]
@@ -727,3 +723,39 @@ def test_where_nothing_was_set_the_records_cost_nothing(backend: tuple[Remote, P
     else:
         assert _counts(remote) == {"list": 1, "head": 1, "copy": 1, "delete": 2, "rmdir": 1}
     assert not peer.exists("d/" + RECORD_NAME)
+
+
+@pytest.mark.parametrize("store_name", ["gcs"])
+def test_on_gcs_the_record_keeps_directories_only(request: pytest.FixtureRequest, store_name: str,
+                                                  tmp_path: Path) -> None:
+    """GCS listings carry each object's metadata: files need no entry, directories (prefixes,
+    with no metadata of their own) still do."""
+    url, options, _ = object_store(request, store_name)
+    remote, peer = Remote(url, options), Peer(url, options)
+    try:
+        assert remote.lists_posix
+        src = _file(tmp_path)
+        for i in range(3):
+            remote.upload(src, f"d/f{i}", ABSENT, attrs=PosixAttrs(mode=0o600 + i))
+        remote.make_dir("d/sub")
+        remote.set_dir_attrs("d/sub", PosixAttrs(mode=0o711))
+        assert remote.records.flush(10)
+        assert decode(peer.fs.cat_file(f"{peer.root}/d/{RECORD_NAME}")) == {"sub/": (None, PosixAttrs(mode=0o711))}
+        node = peer.node()
+        try:
+            shown = {i.name: i.posix for i in node.list("d")}
+            assert shown == {"d/f0": PosixAttrs(mode=0o600), "d/f1": PosixAttrs(mode=0o601),
+                             "d/f2": PosixAttrs(mode=0o602), "d/sub": PosixAttrs(mode=0o711)}
+            assert _counts(node).get("get") == 1 and "head" not in _counts(node)
+        finally:
+            node.close()
+        with pytest.raises(FsError):
+            remote.symlink("d/" + RECORD_NAME, "x")
+        remote.rename_tree("d/sub", "d/sub2")
+        remote.list("d/sub2")
+        remote.remove_dir("d/sub2")
+        assert remote.records.flush(10)
+        assert not peer.exists("d/sub2") and not peer.exists("d/sub")
+        assert decode(peer.fs.cat_file(f"{peer.root}/d/{RECORD_NAME}")) == {}
+    finally:
+        remote.close()
