@@ -769,6 +769,7 @@ def test_rsync_a_twice_with_a_remount_between_sends_nothing_the_second_time(stor
     with store.mount() as (mnt, core):
         core.remote.stats.reset()
         out = sh("rsync", "-a", "--itemize-changes", f"{src}/", f"{mnt}/dst/").stdout
+        time.sleep(0.5)  # a directory record's write would follow within its 0.2 s window
         second = counts(core)
         print("rsync -a, second run:", second, out)
         assert second.get("put", 0) == 0 and second.get("copy", 0) == 0, (second, out)
@@ -852,7 +853,7 @@ def test_cp_a_of_many_files_carries_their_attributes_in_their_uploads(store: Sto
         print("cp -a of 100 files:", got)
         assert got.get("copy", 0) == 0 and got.get("patch", 0) == 0, got
         if store.url.startswith(("s3://", "gs://", "memory://")):
-            assert 100 <= got.get("put", 0) <= 110, got  # one each, the marker, a few records
+            assert 100 <= got.get("put", 0) <= 121, got  # one each, the marker, a record per 0.2 s window
     with store.mount() as (mnt, core):
         same_tree(src, mnt / "many")
 
