@@ -413,9 +413,10 @@ class Filesystem:
             self.metadata.put_own(replace(info, version=version, posix=attrs))
         if staged is not None and not staged.unlinked:
             with staged.lock:
+                if staged.dirty or staged.base_version != info.version:
+                    return  # the writer started from other bytes: its commit decides (a conflict)
                 staged.attrs = attrs
-                if not staged.dirty:
-                    staged.base_version = version if version is not None else self._version_now(key)
+                staged.base_version = version if version is not None else self._version_now(key)
 
     def _version_now(self, key: str) -> ObjectVersion | None:
         try:

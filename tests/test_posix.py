@@ -333,6 +333,21 @@ def test_chmod_of_a_file_open_for_writing_keeps_its_commit_ours(fs: Filesystem, 
     assert fs.upload_status()["conflicts"] == []
 
 
+def test_chmod_never_moves_a_writers_base_past_someone_elses_bytes(fs: Filesystem, remote: Remote) -> None:
+    """A writer opened version 1; someone replaced it; our chmod applies to their object. The
+    writer's commit must still find that it started from other bytes: a conflict, not a blind
+    overwrite of theirs."""
+    put(remote, "f", b"v1")
+    fh = fs.open("/f", os.O_RDWR)
+    put(remote, "f", b"v2, theirs")
+    fs.set_attributes("/f", mode=0o600)
+    fs.write(fh, b"ours", 0)
+    with raises_errno(errno.ESTALE):
+        fs.flush(fh)
+    fs.release(fh)
+    assert cat(remote, "f") == b"v2, theirs" and stored(remote, "f")["mode"] == 0o600
+
+
 def test_a_recovered_commit_carries_its_attributes(fs: Filesystem, remote: Remote, tmp_path: Path) -> None:
     fh = fs.create("/crashed", CREAT, 0o600)
     fs.write(fh, b"staged", 0)
