@@ -122,6 +122,13 @@ class Filesystem:
         # The mount root has no parent to keep its attributes on an object store: this mount's
         # chmod/utimens of it are shown (rsync -a sets them), and stored only on local disks.
         self._root_attrs = NO_ATTRS
+        # A local disk's files always have a mode and owner (see _as_mounted): what the daemon
+        # gives its own files, (euid, egid, file mode, dir mode) after its umask.
+        self._native: tuple[int, int, int, int] | None = None
+        if not remote.object_store and remote.lists_posix:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            self._native = (os.geteuid(), os.getegid(), 0o666 & ~umask, 0o777 & ~umask)
         self.metadata = metadata or MetadataCache()
         # Background listings (see listings.py): they pay off where a request costs milliseconds,
         # and only if the cache may keep what they fetch.
@@ -840,10 +847,29 @@ class Filesystem:
                 self.metadata.forget(parent)
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
+        """``info`` as a stat shows it: the writer's time for the version it committed, and on a
+        local disk the mount's modes and owner where a file has what the daemon gives its own."""
         own = self._own_mtimes.get(info.name) if not info.is_dir else None
         if own is not None and own[0] == info.version and own[1] != info.mtime_ns:
-            return replace(info, mtime_ns=own[1])
+            info = replace(info, mtime_ns=own[1])
+        if self._native is not None and info.posix is not None and not info.link:
+            info = replace(info, posix=self._as_mounted(info.posix, info.is_dir))
         return info
+
+    def _as_mounted(self, posix: PosixAttrs, is_dir: bool) -> PosixAttrs:
+        """A local file always has a mode and an owner; those it got from the daemon itself
+        (its own uid and gid, its umask's mode, as every file it wrote) show as the mount's
+        ``--uid``/``--gid`` and ``--file-mode``/``--dir-mode``, so these settings mean on a local
+        disk what they mean on object stores; a chmod or chown to anything else shows as set."""
+        uid, gid, file_mode, dir_mode = self._native  # type: ignore[misc]
+        changes: dict[str, None] = {}
+        if posix.uid == uid:
+            changes["uid"] = None
+        if posix.gid == gid:
+            changes["gid"] = None
+        if posix.mode == (dir_mode if is_dir else file_mode):
+            changes["mode"] = None
+        return replace(posix, **changes) if changes else posix
 
     def release(self, fh: int) -> None:
         with self._lock:

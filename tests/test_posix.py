@@ -899,3 +899,28 @@ def test_streamed_uploads_carry_a_create_mode_and_are_followed_by_later_changes(
         assert stat.S_IMODE(os.stat(mnt / "private.bin").st_mode) == 0o600
         assert os.stat(mnt / "dated.bin").st_mtime_ns == 10**18
         assert (mnt / "dated.bin").read_bytes() == data
+
+
+@pytest.mark.core
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_local_disk_shows_the_mounts_modes_and_owner_for_what_the_daemon_gave_its_files(
+        tmp_path: Path) -> None:
+    """A local file always has a mode and an owner: those every file the daemon writes gets
+    (its uid and gid, its umask's mode) show as --uid/--gid/--file-mode, anything else as set."""
+    root = tmp_path / "remote"
+    (root / "d").mkdir(parents=True)
+    (root / "plain").write_bytes(b"x")
+    (root / "chmodded").write_bytes(b"x")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(root / "plain", 0o666 & ~umask)
+    os.chmod(root / "d", 0o777 & ~umask)
+    os.chmod(root / "chmodded", 0o750)
+    fs = Filesystem(Remote(str(root)), staging_dir=tmp_path / "staging", file_mode=0o600, dir_mode=0o700,
+                    uid=1234, gid=4321)
+    has(fs, "/plain", mode=0o600, uid=1234, gid=4321)
+    has(fs, "/d", mode=0o700, uid=1234)
+    has(fs, "/chmodded", mode=0o750, uid=1234)
+    fs.set_attributes("/plain", mode=0o755, uid=42)
+    has(fs, "/plain", mode=0o755, uid=42)
+    assert stat.S_IMODE(os.stat(root / "plain").st_mode) == 0o755 and os.stat(root / "plain").st_uid == 42
