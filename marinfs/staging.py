@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from marinfs.objects import ABSENT, ObjectVersion, PosixAttrs
+from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
 from marinfs.uploads import PartStream
 
 log = logging.getLogger(__name__)
@@ -277,8 +277,8 @@ class StagedFile:
                     version = upload(self.path, key or self.key, expect)
                 else:
                     version = upload(self.path, key or self.key, expect, attrs=attrs)
-            elif attrs is not None and attrs != self.streamed_attrs and set_attrs is not None:
-                version = set_attrs(self.key, attrs, version) or version
+            elif (attrs or NO_ATTRS) != (self.streamed_attrs or NO_ATTRS) and set_attrs is not None:
+                version = set_attrs(self.key, attrs or NO_ATTRS, version) or version
             self.dirty = False
             self._drop_journal()
             return version
