@@ -142,19 +142,24 @@ class FuseAdapter(fuse.Operations):
         self.fs.access(path, amode)
         return 0
 
-    # Each with the file info when the kernel sent its handle (see _Fuse.chmod_fuse_3); with
-    # neither (an unlinked file that is still open) there is nothing left to keep them for.
+    # By path; by the file info only when there is no path (an unlinked file still open: its
+    # staged file keeps them), as a directory's handle is no file handle. With neither there is
+    # nothing left to keep them for.
+    @staticmethod
+    def _fh(path: str | None, fi: Any) -> int | None:
+        return fi.fh if path is None and fi is not None else None
+
     @_errors
     def chmod(self, path: str | None, mode: int, fi: Any = None) -> int:
         if path is not None or fi is not None:
-            self.fs.set_attributes(path, mode=mode, fh=fi.fh if fi is not None else None)
+            self.fs.set_attributes(path, mode=mode, fh=self._fh(path, fi))
         return 0
 
     @_errors
     def chown(self, path: str | None, uid: int, gid: int, fi: Any = None) -> int:
         if path is not None or fi is not None:  # -1: unchanged
             self.fs.set_attributes(path, uid=None if uid == -1 else uid, gid=None if gid == -1 else gid,
-                                   fh=fi.fh if fi is not None else None)
+                                   fh=self._fh(path, fi))
         return 0
 
     @_errors
@@ -163,7 +168,7 @@ class FuseAdapter(fuse.Operations):
         the mtime is kept (noatime)."""
         mtime = time.time_ns() if times is None else times[1]
         if path is not None or fi is not None:
-            self.fs.set_attributes(path, mtime_ns=mtime, fh=fi.fh if fi is not None else None)
+            self.fs.set_attributes(path, mtime_ns=mtime, fh=self._fh(path, fi))
         return 0
 
     # -- files ---------------------------------------------------------------------------------
