@@ -21,6 +21,7 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,12 @@ from typing import Any
 from cachetools import LRUCache
 
 from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, StaleVersionError
+from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
-from marinfs.objects import ObjectInfo, ObjectVersion
+from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
@@ -48,9 +50,18 @@ ROOT = ObjectInfo(name="", is_dir=True)
 # a file that is uploaded whole; holes and ranges would need the object's layout.
 FALLOC_FL_KEEP_SIZE = 0x01
 # Read-only attributes that tell a tool outside Python where a file lives and which version a
-# read pins. Other user.* attributes cannot be stored yet (that needs object metadata).
+# read pins; the whole user.marinfs.* namespace is ours (EPERM to set). Other user.* attributes
+# are stored with the file (PosixAttrs.xattrs).
 XATTR_URL = "user.marinfs.url"
 XATTR_VERSION = "user.marinfs.version"
+XATTR_OURS = "user.marinfs."
+XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags (linux/xattr.h)
+XATTR_SIZE_MAX = 65536  # one value, as the kernel and ext4 allow
+# All of a file's user.* names and values together, where the store does not say less (a
+# ``max_xattr_bytes`` of its own); on S3 and GCS what counts is the object metadata they are
+# encoded into (posixmeta.py): S3 keeps 2 KiB of user metadata in all, GCS 8 KiB.
+XATTR_TOTAL_MAX = 65536
+METADATA_MAX = {"s3": 2048, "s3a": 2048, "gs": 8192, "gcs": 8192}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -100,8 +111,24 @@ class Filesystem:
     def __init__(self, remote: Remote, staging_dir: Path, metadata: MetadataCache | None = None,
                  read_only: bool = False, fetcher: ChunkFetcher | None = None,
                  max_readahead_chunks: int = 32, drain_timeout: float = 300.0,
-                 list_prefetch: bool = False) -> None:
+                 list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
+                 uid: int | None = None, gid: int | None = None) -> None:
         self.remote = remote
+        # What every file shows when nothing is stored for it: a chmod, chown or create mode
+        # equal to these is not stored (it changes nothing anyone sees).
+        self.file_mode, self.dir_mode = file_mode & 0o7777, dir_mode & 0o7777
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        # The mount root has no parent to keep its attributes on an object store: this mount's
+        # chmod/utimens of it are shown (rsync -a sets them), and stored only on local disks.
+        self._root_attrs = NO_ATTRS
+        # A local disk's files always have a mode and owner (see _as_mounted): what the daemon
+        # gives its own files, (euid, egid, file mode, dir mode) after its umask.
+        self._native: tuple[int, int, int, int] | None = None
+        if not remote.object_store and remote.lists_posix:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            self._native = (os.geteuid(), os.getegid(), 0o666 & ~umask, 0o777 & ~umask)
         self.metadata = metadata or MetadataCache()
         # Background listings (see listings.py): they pay off where a request costs milliseconds,
         # and only if the cache may keep what they fetch.
@@ -149,7 +176,7 @@ class Filesystem:
     def lookup(self, key: str) -> ObjectInfo:
         """The metadata of ``key``: our own staged writes first, then the cache, then the remote."""
         if not key:
-            return ROOT
+            return ROOT if self._root_attrs.empty else replace(ROOT, posix=self._root_attrs)
         info = self._known(key)
         if info is not None:
             return info
@@ -171,8 +198,14 @@ class Filesystem:
         if staged is not None and staged.dirty:
             # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
             # file (committed, or open but unwritten) matches the remote, whose stat has a version.
-            return ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+            return self._staged_info(staged)
         return self.metadata.get_stat(key)
+
+    @staticmethod
+    def _staged_info(staged: StagedFile) -> ObjectInfo:
+        """What this node shows for a file with uncommitted bytes: its size, mtime and attributes."""
+        return ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns,
+                          posix=staged.attrs or NO_ATTRS)
 
     def _lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -222,8 +255,7 @@ class Filesystem:
         for staged in pending:  # new files not committed yet are ours to show
             name = posixpath.basename(staged.key)
             if name not in names:
-                children.append(ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(),
-                                           mtime_ns=staged.mtime_ns))
+                children.append(self._staged_info(staged))
         return [self._present(c) for c in children]
 
     def statfs(self) -> dict[str, int]:
@@ -237,13 +269,181 @@ class Filesystem:
         if mode & os.W_OK and self.read_only:
             raise FsError(errno.EROFS)
 
-    def set_attributes(self, path: str) -> None:
-        """chmod/chown/utimens: accepted so ``cp -p`` and ``rsync -a`` work; nothing is stored."""
-        self.lookup(key_of(path))
+    # -- persisted POSIX attributes ------------------------------------------------------------
+    def set_attributes(self, path: str, mode: int | None = None, uid: int | None = None, gid: int | None = None,
+                       mtime_ns: int | None = None, fh: int | None = None) -> None:
+        """chmod, chown, utimens: the fields given replace the stored ones (None: unchanged;
+        ``mode`` is taken ``& 0o7777``). See :meth:`_change_attrs` for where they go."""
+        fields: dict[str, int] = {}
+        for name, value in (("mode", None if mode is None else mode & 0o7777), ("uid", uid), ("gid", gid),
+                            ("mtime_ns", mtime_ns)):
+            if value is not None:
+                fields[name] = value
+        if not fields or not self.remote.stores_posix:
+            # chown(-1, -1), utimens omitting both times; or a plain fsspec store, which keeps
+            # nothing: accepted so cp -p and rsync -a work, as before attributes were stored.
+            self.lookup(self._key_for(path, fh))
+            return
+        self._change_attrs(path, fh, lambda attrs: replace(attrs, **fields))
+
+    def _key_for(self, path: str | None, fh: int | None) -> str:
+        if fh is not None:
+            handle = self._handle(fh)
+            return handle.staged.key if handle.staged is not None else handle.key
+        if path is None:
+            raise FsError(errno.EBADF, "neither a path nor a handle")
+        return key_of(path)
+
+    def _normalized(self, attrs: PosixAttrs, is_dir: bool, current: PosixAttrs = NO_ATTRS) -> PosixAttrs:
+        """What is shown anyway is not stored: a mode, uid or gid that nothing stored yet
+        (``current``'s is None) set to the mount's default, so ``cp -a`` of 0644 files owned by
+        the mounting user stores only their mtimes. A stored value is replaced, never dropped
+        (a local file always has its own)."""
+        changes: dict[str, None] = {}
+        defaults = (("mode", self.dir_mode if is_dir else self.file_mode), ("uid", self.uid), ("gid", self.gid))
+        for name, default in defaults:
+            if getattr(attrs, name) == default and getattr(current, name) is None:
+                changes[name] = None
+        return replace(attrs, **changes) if changes else attrs
+
+    def _set_streamed_attrs(self, key: str, attrs: PosixAttrs, version: ObjectVersion | None) -> ObjectVersion | None:
+        """After a streamed upload (begun before the attributes were known): one metadata update."""
+        return self.remote.set_attrs(key, attrs, version)
+
+    def _posix_of(self, key: str, info: ObjectInfo) -> PosixAttrs:
+        """All that is stored for ``info``: a listing may not have carried it (an S3 listing
+        whose directory record lacks the entry), then the object's own stat tells."""
+        if not key:
+            return self._root_attrs
+        if info.posix is not None:
+            return info.posix
+        if info.link:
+            return NO_ATTRS
+        try:
+            fresh = self.remote.stat(key, likely_dir=info.is_dir)
+        except FileNotFoundError:
+            self.metadata.invalidate(key)
+            raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
+        self.metadata.put_stat(fresh)
+        if fresh.posix is None and fresh.is_dir:
+            return self._listed_posix(key)
+        return fresh.posix if fresh.posix is not None else NO_ATTRS
+
+    def _listed_posix(self, key: str) -> PosixAttrs:
+        """A directory's attributes as its parent's listing tells them: object stores keep them
+        in the parent's directory record, which a stat does not read. Only where they must be
+        exact (a chmod merges into them, getxattr reads them): one LIST of the parent, cached."""
+        parent = posixpath.dirname(key)
+        children = self.metadata.get_listing(parent)
+        if children is None:
+            token = self.metadata.begin_listing(parent)
+            try:
+                children = self.remote.list(parent)
+            finally:
+                self.metadata.end_listing(parent, token, children)
+        found = next((c for c in children if c.name == key), None)
+        return found.posix if found is not None and found.posix is not None else NO_ATTRS
+
+    def _attrs_of(self, key: str) -> PosixAttrs:
+        """The attributes shown for ``key`` now (this node's uncommitted ones first)."""
+        staged = self._staged.get(key)
+        if staged is not None and staged.dirty:
+            return staged.attrs or NO_ATTRS
+        return self._posix_of(key, self.lookup(key))
+
+    def _change_attrs(self, path: str | None, fh: int | None, change: Callable[[PosixAttrs], PosixAttrs]) -> None:
+        """Apply ``change`` to a file's or directory's stored attributes.
+
+        A file with uncommitted bytes (open for writing, written): they stay with its staged
+        file, are shown at once and go with its commit, no request now. A committed file: one
+        metadata-only update conditional on the version seen (S3 CopyObject onto itself, GCS
+        PATCH, the syscall locally); if someone changed the object since, the change is applied
+        to the object as it is now (one stat, one more update), as chmod on a disk applies to
+        the file as it is: only a second change in between is ESTALE. Directories: the remote's
+        directory attributes. Symbolic links: nothing is stored (lchown, lutimes succeed).
+        Nothing changed (chmod to the mode shown): no request."""
+        self._writable()
+        key = self._key_for(path, fh)
+        handle = self._handle(fh) if fh is not None else None
+        staged = handle.staged if handle is not None and handle.staged is not None else self._staged.get(key)
+        if staged is not None:
+            with staged.lock:  # (waits for a commit in flight, which may leave it clean)
+                if staged.unlinked or staged.dirty:
+                    current = staged.attrs or NO_ATTRS
+                    staged.set_attrs(self._normalized(change(current), False, current))
+                    return
+        info = self.lookup(key)
+        if info.link:
+            return
+        if not key:
+            self._set_root_attrs(change)
+            return
+        for attempt in (1, 2):
+            current = self._posix_of(key, info)
+            new = self._normalized(change(current), info.is_dir, current)
+            if new == current:
+                return
+            if info.is_dir:
+                self.remote.set_dir_attrs(key, new)
+                self.metadata.put_own(replace(info, posix=new))
+                return
+            if self.remote.object_store and new.mtime_ns is None:
+                # The store's metadata update gives the object a new timestamp: keep the one
+                # shown, as chmod on a disk leaves the mtime alone.
+                new = replace(new, mtime_ns=self._present(info).mtime_ns)
+            try:
+                version = self.remote.set_attrs(key, new, info.version)
+            except PreconditionFailed:
+                if attempt == 2:
+                    raise  # changed twice meanwhile: ESTALE
+                self.metadata.forget(key)  # someone changed it since our stat: apply to theirs
+                info = self.lookup(key)
+                if info.is_dir or info.link:
+                    raise FsError(errno.ESTALE, f"{key} was replaced meanwhile") from None
+                continue
+            except FileNotFoundError:
+                self.metadata.invalidate(key)
+                raise
+            self._attrs_set(key, info, new, version, staged)
+            return
+
+    def _attrs_set(self, key: str, info: ObjectInfo, attrs: PosixAttrs, version: ObjectVersion | None,
+                   staged: StagedFile | None) -> None:
+        """After a metadata-only update: cache what the store answered (no stat after it), and
+        keep an open writer's base on the new version, so its commit is not a conflict with our
+        own chmod."""
+        if version is None:
+            self.metadata.forget(key)  # the store did not say: the next lookup asks
+        else:
+            with self._lock:
+                own = self._own_mtimes.get(key)
+                if own is not None and own[0] == info.version:
+                    self._own_mtimes[key] = (version, own[1])
+            self.metadata.put_own(replace(info, version=version, posix=attrs))
+        if staged is not None and not staged.unlinked:
+            with staged.lock:
+                if staged.dirty or staged.base_version != info.version:
+                    return  # the writer started from other bytes: its commit decides (a conflict)
+                staged.attrs = attrs
+                staged.base_version = version if version is not None else self._version_now(key)
+
+    def _version_now(self, key: str) -> ObjectVersion | None:
+        try:
+            return self.lookup(key).version
+        except FileNotFoundError:
+            return None
+
+    def _set_root_attrs(self, change: Callable[[PosixAttrs], PosixAttrs]) -> None:
+        new = self._normalized(change(self._root_attrs), True, self._root_attrs)
+        if new == self._root_attrs:
+            return
+        if not self.remote.object_store:
+            self.remote.set_dir_attrs("", new)
+        self._root_attrs = new
 
     # -- extended attributes -------------------------------------------------------------------
-    # As a local filesystem without stored attributes answers: nothing to get or list in the
-    # kernel's namespaces (security.*, system.*: ENODATA), nothing settable (ENOTSUP), never
+    # user.* names are stored with the file (see _change_attrs); the kernel's namespaces
+    # (security.*, system.*, trusted.*) hold nothing (ENODATA) and take nothing (ENOTSUP), never
     # EIO. getxattr of a name that is not ours sends no request: the kernel asks for
     # security.capability before every write(2).
     def getxattr(self, path: str, name: str) -> bytes:
@@ -253,29 +453,66 @@ class Filesystem:
             info = self.lookup(key_of(path))
             if not info.is_dir and info.version is not None:
                 return str(info.version).encode()  # its token: g…, e…, m… (also an ObjectVersion's)
+        elif name.startswith("user.") and not name.startswith(XATTR_OURS):
+            value = self._attrs_of(key_of(path)).xattr(name)
+            if value is not None:
+                return value
         raise FsError(errno.ENODATA, name)
 
     def listxattr(self, path: str) -> list[str]:
-        """Nothing: ours are read by name only, as CephFS's virtual ``ceph.*`` attributes are.
-        Listed, ``cp -a``, ``rsync -X`` and ``tar --xattrs`` would copy them: out of the mount
-        onto files they are false for, and into a mount where setting them fails (``rsync -aX``
-        between two mounts exits 23)."""
-        self.lookup(key_of(path))
-        return []
+        """The stored user.* names. Ours (user.marinfs.*) are read by name only, as CephFS's
+        virtual ``ceph.*`` attributes are: listed, ``cp -a``, ``rsync -X`` and ``tar --xattrs``
+        would copy them out of the mount onto files they are false for, and into a mount where
+        setting them fails (``rsync -aX`` between two mounts would exit 23)."""
+        return [name for name, _ in self._attrs_of(key_of(path)).xattrs]
 
-    def setxattr(self, path: str, name: str, value: bytes) -> None:
+    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0, fh: int | None = None) -> None:
         self._writable()
-        self.lookup(key_of(path))
-        if name in (XATTR_URL, XATTR_VERSION):
+        key = key_of(path)
+        self.lookup(key)
+        if name.startswith(XATTR_OURS):
             raise FsError(errno.EPERM, f"{name} is read-only")
-        raise FsError(errno.ENOTSUP, f"{name}: extended attributes are not stored")
+        if not name.startswith("user.") or not self.remote.stores_posix:
+            raise FsError(errno.ENOTSUP, f"{name}: only user.* attributes are stored, where the store keeps them")
+        if len(value) > XATTR_SIZE_MAX:
+            raise FsError(errno.E2BIG, f"{name}: {len(value)} bytes")
+        def change(attrs: PosixAttrs) -> PosixAttrs:
+            exists = attrs.xattr(name) is not None
+            if flags & XATTR_CREATE and exists:
+                raise FsError(errno.EEXIST, name)
+            if flags & XATTR_REPLACE and not exists:
+                raise FsError(errno.ENODATA, name)
+            new = attrs.with_xattr(name, bytes(value))
+            if not self._fits(new):
+                # As ext4 when its attribute block is full: the store keeps no more (S3: 2 KiB).
+                raise FsError(errno.ENOSPC, f"{key}: the store cannot keep that many bytes of attributes")
+            return new
+
+        self._change_attrs(path, fh, change)
+
+    def _fits(self, attrs: PosixAttrs) -> bool:
+        """Whether the store can keep ``attrs``: checked before anything is sent, so a value
+        too big fails its setxattr with ENOSPC, not a later close with EIO."""
+        limit = getattr(self.remote, "max_xattr_bytes", None)
+        if limit is None and self.remote.protocol in METADATA_MAX:
+            encoded = to_s3(attrs) if self.remote.protocol.startswith("s3") else to_gcs(attrs)
+            size = sum(len(k.encode()) + len(v.encode()) for k, v in encoded.items())
+            return size <= METADATA_MAX[self.remote.protocol]
+        return sum(len(n.encode()) + len(v) for n, v in attrs.xattrs) <= (limit or XATTR_TOTAL_MAX)
 
     def removexattr(self, path: str, name: str) -> None:
         self._writable()
-        self.lookup(key_of(path))
-        if name in (XATTR_URL, XATTR_VERSION):
+        key = key_of(path)
+        self.lookup(key)
+        if name.startswith(XATTR_OURS):
             raise FsError(errno.EPERM, f"{name} is read-only")
-        raise FsError(errno.ENODATA, name)
+
+        def change(attrs: PosixAttrs) -> PosixAttrs:
+            if attrs.xattr(name) is None:
+                raise FsError(errno.ENODATA, name)
+            return attrs.with_xattr(name, None)
+
+        self._change_attrs(path, None, change)
 
     def _url_of(self, key: str) -> str:
         """Where ``key`` lives: the remote URL, then ``/key`` (checks that it exists)."""
@@ -283,11 +520,17 @@ class Filesystem:
         return f"{self.remote.url.rstrip('/')}/{key}" if key else self.remote.url
 
     # -- open files ----------------------------------------------------------------------------
-    def _acquire_staged(self, key: str, info: ObjectInfo | None, truncate: bool) -> StagedFile:
+    def _acquire_staged(self, key: str, info: ObjectInfo | None, truncate: bool,
+                        attrs: PosixAttrs | None = None) -> StagedFile:
+        """The staged file of ``key``, shared by its writers. An existing file's new content
+        keeps its mode, owner and xattrs (as on ext4), not its stored mtime: the next write sets it."""
+        if info is not None and info.posix is not None and not info.posix.empty:
+            attrs = replace(info.posix, mtime_ns=None)
         with self._lock:
             staged = self._staged.get(key)
             if staged is None:
-                base = dict(remote_url=self.remote.url, base_version=info.version if info else None)
+                base = dict(remote_url=self.remote.url, base_version=info.version if info else None,
+                            attrs=attrs)
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
                                         dirty=info is None or (truncate and info.size > 0),
@@ -302,10 +545,16 @@ class Filesystem:
             staged.truncate(0)
         return staged
 
-    def _stream(self, fd: int, key: str, expect: ObjectVersion | None) -> PartStream:
+    def _stream(self, fd: int, key: str, expect: ObjectVersion | None, attrs: PosixAttrs | None = None) -> PartStream:
+        """A part upload of a new or truncated file; ``attrs`` (a create mode) go with it."""
         settings = self.remote.settings
-        return PartStream(fd, lambda: self.remote.part_session(key, expect), settings.upload_part_size,
-                          self.remote.part_pool, settings.upload_concurrency)
+
+        def session() -> Any:
+            if attrs is None:
+                return self.remote.part_session(key, expect)
+            return self.remote.part_session(key, expect, attrs=attrs)
+
+        return PartStream(fd, session, settings.upload_part_size, self.remote.part_pool, settings.upload_concurrency)
 
     def _release_staged(self, staged: StagedFile) -> None:
         with self._lock:
@@ -442,7 +691,7 @@ class Filesystem:
         handle = self._handle(fh)
         staged = handle.staged
         if staged is not None:
-            return ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns)
+            return self._staged_info(staged)
         if handle.info is None:
             raise FsError(errno.EBADF)
         return handle.info
@@ -451,7 +700,9 @@ class Filesystem:
         """Whether the kernel may keep the pages it cached for this file (version unchanged)."""
         return self._handle(fh).keep_kernel_cache
 
-    def create(self, path: str, flags: int) -> int:
+    def create(self, path: str, flags: int, mode: int | None = None) -> int:
+        """A new file (an existing one is opened: ``mode`` applies only to new files). Its mode
+        is stored only if it is not the mount's ``--file-mode``, so plain writes carry nothing."""
         self._writable()
         key = key_of(path)
         existing = self._lookup_or_none(key)
@@ -462,7 +713,9 @@ class Filesystem:
         self._require_dir(posixpath.dirname(key))
         self._file_name_allowed(key)
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
-        staged = self._acquire_staged(key, None, truncate=False)
+        keep = mode is not None and self.remote.stores_posix
+        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
+        staged = self._acquire_staged(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
         return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
 
     def _file_name_allowed(self, key: str) -> None:
@@ -481,7 +734,7 @@ class Filesystem:
             raise FsError(errno.EEXIST, key)
         if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
             raise FsError(errno.EPERM, f"{key}: only regular files and directories can be objects")
-        fh = self.create(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fh = self.create(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, stat.S_IMODE(mode) or None)
         try:
             self.flush(fh)
         finally:
@@ -537,7 +790,8 @@ class Filesystem:
             return
         key = staged.key
         try:
-            done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect),
+            done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect,
+                                                                      set_attrs=self._set_streamed_attrs),
                                       key, staged.base_version, Path(staged.path))
         except BaseException as exc:
             self.metadata.invalidate(key)
@@ -561,7 +815,7 @@ class Filesystem:
             # The upload answered the new version (S3 ETag, GCS generation): that and the size
             # we wrote are the object's metadata; its timestamp is shown as the writer's below.
             info = ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns,
-                              version=version)
+                              version=version, posix=staged.attrs or NO_ATTRS)
         else:
             # Learn the committed object's own metadata (version, timestamp) now: a listing will
             # report the same, so tools that compare stats (tar) never see a change that was not.
@@ -580,12 +834,44 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (info.version, staged.mtime_ns)
         self.metadata.put_own(info)
+        self._entries_changed(key)
+
+    def _entries_changed(self, *keys: str) -> None:
+        """The directories of ``keys`` gained, lost or replaced an entry. A local disk's
+        directories have real times that this moves (a commit renames into place): their
+        cached stats go, so ``rsync -a`` and ``tar`` setting a directory's mtime after its
+        files compare with the time it has now. Object stores keep a directory's time as set."""
+        if self.remote.object_store or not self.remote.lists_posix:
+            return
+        for key in keys:
+            parent = posixpath.dirname(key)
+            if parent:
+                self.metadata.forget(parent)
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
+        """``info`` as a stat shows it: the writer's time for the version it committed, and on a
+        local disk the mount's modes and owner where a file has what the daemon gives its own."""
         own = self._own_mtimes.get(info.name) if not info.is_dir else None
         if own is not None and own[0] == info.version and own[1] != info.mtime_ns:
-            return replace(info, mtime_ns=own[1])
+            info = replace(info, mtime_ns=own[1])
+        if self._native is not None and info.posix is not None and not info.link:
+            info = replace(info, posix=self._as_mounted(info.posix, info.is_dir))
         return info
+
+    def _as_mounted(self, posix: PosixAttrs, is_dir: bool) -> PosixAttrs:
+        """A local file always has a mode and an owner; those it got from the daemon itself
+        (its own uid and gid, its umask's mode, as every file it wrote) show as the mount's
+        ``--uid``/``--gid`` and ``--file-mode``/``--dir-mode``, so these settings mean on a local
+        disk what they mean on object stores; a chmod or chown to anything else shows as set."""
+        uid, gid, file_mode, dir_mode = self._native  # type: ignore[misc]
+        changes: dict[str, None] = {}
+        if posix.uid == uid:
+            changes["uid"] = None
+        if posix.gid == gid:
+            changes["gid"] = None
+        if posix.mode == (dir_mode if is_dir else file_mode):
+            changes["mode"] = None
+        return replace(posix, **changes) if changes else posix
 
     def release(self, fh: int) -> None:
         with self._lock:
@@ -609,6 +895,8 @@ class Filesystem:
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
+        if key not in self._staged and info.posix is None:  # (a listing's): the commit keeps them
+            info = replace(info, posix=self._posix_of(key, info))
         staged = self._acquire_staged(key, info, truncate=False)
         try:
             staged.truncate(length)
@@ -666,6 +954,7 @@ class Filesystem:
             with self._lock:
                 self._own_mtimes[key] = (version, info.mtime_ns)
         self.metadata.put_own(info)
+        self._entries_changed(key)
 
     def readlink(self, path: str) -> str:
         """The target text of link ``path``: from its stat where the store keeps it there (local
@@ -705,6 +994,7 @@ class Filesystem:
                 self.remote.delete_link(key)
             finally:
                 self.metadata.invalidate(key)
+                self._entries_changed(key)
             return
         open_staged = self._staged.get(key)
         if open_staged is not None:
@@ -720,16 +1010,23 @@ class Filesystem:
                 raise
         finally:
             self.metadata.invalidate(key)
+            self._entries_changed(key)
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str, mode: int | None = None) -> None:
+        """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
         self._writable()
         key = key_of(path)
         if not key or self._lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
         self.remote.make_dir(key)
-        self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns()))
+        keep = mode is not None and self.remote.stores_posix
+        attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), True) if keep else NO_ATTRS
+        if not attrs.empty:
+            self.remote.set_dir_attrs(key, attrs)
+        self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns(), posix=attrs))
         self.metadata.put_listing(key, [])  # we just made it: nothing is in it yet
+        self._entries_changed(key)
 
     def rmdir(self, path: str) -> None:
         self._writable()
@@ -744,6 +1041,7 @@ class Filesystem:
         self._check_empty(key)
         self.remote.remove_dir(key)
         self.metadata.invalidate_tree(key)
+        self._entries_changed(key)
 
     def _check_empty(self, key: str) -> None:
         try:
@@ -792,6 +1090,7 @@ class Filesystem:
                 self._rename_file(src, dst)
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
+        self._entries_changed(src, dst)
 
     def _move_staged(self, src: str, dst: str) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.

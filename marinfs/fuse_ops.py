@@ -32,6 +32,7 @@ LIBFUSE_MAJOR = fuse.fuse_version_major
 FUSE_READDIR_PLUS = 1  # libfuse3 enum fuse_readdir_flags: the kernel asks for attributes too
 FUSE_FILL_DIR_PLUS = 2  # libfuse3 enum fuse_fill_dir_flags: this entry's struct stat is complete
 KERNEL_XATTR_PREFIXES = (b"security.", b"system.", b"trusted.")  # see _Fuse.getxattr
+UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # a timespec's tv_nsec in utimensat(2)
 
 
 def _errors(method: F) -> F:
@@ -82,15 +83,23 @@ class FuseAdapter(fuse.Operations):
         self._dir_handles = itertools.count(1)
 
     def attrs(self, info: ObjectInfo) -> dict[str, int]:
+        """The stat of ``info``: what is stored for it (chmod, chown, utimens), else the mount's
+        modes and owner, the object's time (directories: the mount's start)."""
         if info.is_dir:
-            mode, nlink, size = stat.S_IFDIR | self.dir_mode, 2, 0
+            kind, perm, nlink, size = stat.S_IFDIR, self.dir_mode, 2, 0
         elif info.link:  # a link's size is its target's length, as lstat(2) tells on a disk
-            mode, nlink, size = stat.S_IFLNK | 0o777, 1, info.size
+            kind, perm, nlink, size = stat.S_IFLNK, 0o777, 1, info.size
         else:
-            mode, nlink, size = stat.S_IFREG | self.file_mode, 1, info.size
+            kind, perm, nlink, size = stat.S_IFREG, self.file_mode, 1, info.size
         t = self.dir_mtime_ns if info.is_dir else info.mtime_ns
-        return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": self.uid,
-                "st_gid": self.gid, "st_mtime": t, "st_ctime": t, "st_atime": t,
+        uid, gid, posix = self.uid, self.gid, info.posix
+        if posix is not None and not info.link:
+            perm = perm if posix.mode is None else posix.mode
+            uid = uid if posix.uid is None else posix.uid
+            gid = gid if posix.gid is None else posix.gid
+            t = t if posix.mtime_ns is None else posix.mtime_ns
+        return {"st_mode": kind | perm, "st_nlink": nlink, "st_size": size, "st_uid": uid,
+                "st_gid": gid, "st_mtime": t, "st_ctime": t, "st_atime": t,
                 "st_blocks": (size + 511) // 512, "st_blksize": 1 << 20}
 
     # -- metadata ------------------------------------------------------------------------------
@@ -133,22 +142,33 @@ class FuseAdapter(fuse.Operations):
         self.fs.access(path, amode)
         return 0
 
+    # By path; by the file info only when there is no path (an unlinked file still open: its
+    # staged file keeps them), as a directory's handle is no file handle. With neither there is
+    # nothing left to keep them for.
+    @staticmethod
+    def _fh(path: str | None, fi: Any) -> int | None:
+        return fi.fh if path is None and fi is not None else None
+
     @_errors
-    def chmod(self, path: str | None, mode: int) -> int:
-        if path is not None:  # None: an unlinked open file, nothing to check
-            self.fs.set_attributes(path)
+    def chmod(self, path: str | None, mode: int, fi: Any = None) -> int:
+        if path is not None or fi is not None:
+            self.fs.set_attributes(path, mode=mode, fh=self._fh(path, fi))
         return 0
 
     @_errors
-    def chown(self, path: str | None, uid: int, gid: int) -> int:
-        if path is not None:  # None: an unlinked open file, nothing to check
-            self.fs.set_attributes(path)
+    def chown(self, path: str | None, uid: int, gid: int, fi: Any = None) -> int:
+        if path is not None or fi is not None:  # -1: unchanged
+            self.fs.set_attributes(path, uid=None if uid == -1 else uid, gid=None if gid == -1 else gid,
+                                   fh=self._fh(path, fi))
         return 0
 
     @_errors
-    def utimens(self, path: str | None, times: Any = None) -> int:
-        if path is not None:  # None: an unlinked open file, nothing to check
-            self.fs.set_attributes(path)
+    def utimens(self, path: str | None, times: tuple[int | None, int | None] | None = None, fi: Any = None) -> int:
+        """``times``: (atime, mtime) in ns, None for UTIME_OMIT (see _Fuse.utimens_fuse_3); only
+        the mtime is kept (noatime)."""
+        mtime = time.time_ns() if times is None else times[1]
+        if path is not None or fi is not None:
+            self.fs.set_attributes(path, mtime_ns=mtime, fh=self._fh(path, fi))
         return 0
 
     # -- files ---------------------------------------------------------------------------------
@@ -160,7 +180,7 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def create(self, path: str, mode: int, fi: Any) -> int:
-        fi.fh = self.fs.create(path, fi.flags)
+        fi.fh = self.fs.create(path, fi.flags, mode)
         return 0
 
     @_errors
@@ -204,7 +224,7 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def mkdir(self, path: str, mode: int) -> int:
-        self.fs.mkdir(path)
+        self.fs.mkdir(path, mode)
         return 0
 
     @_errors
@@ -247,7 +267,7 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def setxattr(self, path: str, name: str, value: bytes, options: int, position: int = 0) -> int:
-        self.fs.setxattr(path, name, value)
+        self.fs.setxattr(path, name, value, options)
         return 0
 
     @_errors
@@ -331,10 +351,36 @@ class _Fuse(fuse.FUSE):
         self._listings.pop(fip.contents.fh, None)
         return super().releasedir(path, fip)
 
+    def _decoded(self, path: bytes | None) -> str | None:
+        return None if path is None else path.decode(self.encoding, self.errors)
+
     def truncate_fuse_3(self, path: bytes | None, length: int, fip: Any) -> int:
-        fi = fip.contents if fip else None
-        decoded = None if path is None else path.decode(self.encoding, self.errors)
-        return self.operations.truncate(decoded, length, fi)
+        return self.operations.truncate(self._decoded(path), length, fip.contents if fip else None)
+
+    # The binding drops the file info of chmod, chown and utimens too; libfuse passes it when
+    # the kernel sent the handle, so an open writer's attributes stay with its staged file.
+    def chmod_fuse_3(self, path: bytes | None, mode: int, fip: Any) -> int:
+        return self.operations.chmod(self._decoded(path), mode, fip.contents if fip else None)
+
+    def chown_fuse_3(self, path: bytes | None, uid: int, gid: int, fip: Any) -> int:
+        # -1 ("unchanged") arrives as the unsigned maximum
+        uid = -1 if fuse.c_uid_t(uid + 1).value == 0 else uid
+        gid = -1 if fuse.c_gid_t(gid + 1).value == 0 else gid
+        return self.operations.chown(self._decoded(path), uid, gid, fip.contents if fip else None)
+
+    def utimens_fuse_3(self, path: bytes | None, buf: Any, fip: Any) -> int:
+        """libfuse3 always passes both timespecs, UTIME_NOW and UTIME_OMIT in tv_nsec as the
+        kernel sent them (``touch`` is NOW; ``touch -m``, ``utimensat`` with OMIT); the
+        binding would pass them on as times 1.07 s after the epoch."""
+        def ns(ts: Any) -> int | None:
+            if ts.tv_nsec == UTIME_OMIT:
+                return None
+            if ts.tv_nsec == UTIME_NOW:
+                return time.time_ns()
+            return ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+
+        times = (ns(buf.contents.actime), ns(buf.contents.modtime)) if buf else None
+        return self.operations.utimens(self._decoded(path), times, fip.contents if fip else None)
 
 
 def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool,

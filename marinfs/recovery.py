@@ -1,7 +1,8 @@
 """Commit what a previous daemon staged but never committed (crash, kill, failed upload).
 
 Every staged file with uncommitted bytes has a journal beside it (see staging.py): the remote,
-the key, and the version the writer started from. At start (and periodically for failed
+the key, the version the writer started from, and the POSIX attributes set on it (journals
+written before those existed have none: the file is committed without). At start (and periodically for failed
 commits) each journal of this remote is replayed through marinfs.commit, the same rule as a
 close: if the object is still at that base version, the bytes are committed to the key; if
 someone else changed it meanwhile, they are committed next to it as
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.commit import commit_or_conflict, conflict_name, describe, is_permanent
-from marinfs.objects import ObjectVersion
+from marinfs.objects import ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX
+from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json
 
 __all__ = ["Recovered", "conflict_name", "recover"]
 
@@ -48,7 +49,8 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
             entry = json.loads(journal.read_text())
             data = staging_dir / entry["data"]
             key, base = entry["key"], entry.get("base_version")
-        except (OSError, ValueError, KeyError) as exc:
+            attrs = attrs_from_json(entry.get("attrs"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("unreadable journal %s (%s); left in place", journal, exc)
             continue
         if entry.get("remote") != remote.url or str(data) in skip:
@@ -56,15 +58,20 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
         if not data.exists():
             journal.unlink(missing_ok=True)
             continue
-        results.append(_replay(journal, data, key, base, remote))
+        results.append(_replay(journal, data, key, base, remote, attrs))
     return results
 
 
-def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote) -> Recovered:
+def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote,
+            attrs: PosixAttrs | None = None) -> Recovered:
+    def upload(k: str, expect: ObjectVersion) -> ObjectVersion | None:
+        if attrs is None or attrs.empty:  # (as before attributes existed)
+            return remote.upload(str(data), k, expect=expect)
+        return remote.upload(str(data), k, expect=expect, attrs=attrs)
+
     try:
         # Replace exactly the version the writer started from (None: it did not exist).
-        done = commit_or_conflict(lambda k, expect: remote.upload(str(data), k, expect=expect), key,
-                                  ObjectVersion.parse(base) if base is not None else None, data)
+        done = commit_or_conflict(upload, key, ObjectVersion.parse(base) if base is not None else None, data)
     except Exception as exc:  # noqa: BLE001 - reported by the caller; the bytes stay for the next attempt
         return Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc))
     journal.unlink(missing_ok=True)

@@ -7,6 +7,7 @@ truncation and ``O_RDWR`` therefore work as on a local disk; only the commit is 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -14,9 +15,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from marinfs.objects import ABSENT, ObjectVersion
+from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
 from marinfs.uploads import PartStream
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,23 @@ def write_journal(path: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
+def attrs_to_json(attrs: PosixAttrs) -> dict:
+    """The journal's form of ``attrs``: only the fields set, xattr values in base64."""
+    out: dict = {k: getattr(attrs, k) for k in ("mode", "uid", "gid", "mtime_ns") if getattr(attrs, k) is not None}
+    if attrs.xattrs:
+        out["xattrs"] = {name: base64.b64encode(value).decode() for name, value in attrs.xattrs}
+    return out
+
+
+def attrs_from_json(entry: dict | None) -> PosixAttrs | None:
+    """The inverse of :func:`attrs_to_json`; None for a journal that has none (older ones)."""
+    if not entry:
+        return None
+    xattrs = tuple(sorted((n, base64.b64decode(v)) for n, v in (entry.get("xattrs") or {}).items()))
+    return PosixAttrs(mode=entry.get("mode"), uid=entry.get("uid"), gid=entry.get("gid"),
+                      mtime_ns=entry.get("mtime_ns"), xattrs=xattrs)
+
+
 class StagedFile:
     """The new content of one remote key, shared by every handle open on it.
 
@@ -50,12 +69,17 @@ class StagedFile:
     A new or truncated file may also be streamed: ``stream`` (a function of the staging file's
     descriptor) makes a :class:`PartStream` that sends parts while the file is written, so the
     commit at close only sends the tail. The staging file stays complete either way.
+
+    ``attrs`` are the POSIX attributes (chmod, chown, utimens, user xattrs) the file will carry:
+    set while it holds uncommitted bytes, they are shown at once and go with the commit (and
+    are journaled, so a recovered commit carries them too). None: nothing set.
     """
 
     def __init__(self, staging_dir: Path, key: str, seed: Callable[[str, str], None] | None,
                  base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
                  base_version: ObjectVersion | None = None,
-                 stream: Callable[[int, str, ObjectVersion], PartStream] | None = None) -> None:
+                 stream: Callable[..., PartStream] | None = None,
+                 attrs: PosixAttrs | None = None) -> None:
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
         self.fd = fd
@@ -66,6 +90,7 @@ class StagedFile:
         self.journal_path = self.path + JOURNAL_SUFFIX
         self.remote_url = remote_url
         self.base_version = base_version
+        self.attrs = attrs
         self._journaled = False
         self.lock = threading.RLock()
         self._seed = seed
@@ -84,8 +109,15 @@ class StagedFile:
         self.failures = 0  # commits of these bytes that failed, and the last one's error
         self.last_error: BaseException | None = None
         self.stream: PartStream | None = None
+        # The attributes the stream's upload was begun with (a create mode): a commit with the
+        # same needs no metadata update after it.
+        self.streamed_attrs: PosixAttrs | None = None
         if stream is not None and seed is None:
-            self.stream = stream(self.fd, key, self.expected)
+            if attrs is not None and not attrs.empty:
+                self.stream = stream(self.fd, key, self.expected, attrs)
+                self.streamed_attrs = attrs
+            else:
+                self.stream = stream(self.fd, key, self.expected)
 
     @property
     def failed_unchanged(self) -> bool:
@@ -127,7 +159,7 @@ class StagedFile:
             except OSError as exc:
                 self._poison(exc)
                 raise
-            self.mtime_ns = time.time_ns()
+            self._touched()
             if self.stream is not None:
                 self.stream.on_write(offset, written)
             return written
@@ -140,19 +172,38 @@ class StagedFile:
                 self._ensure_seeded()
             os.ftruncate(self.fd, length)
             self._mark_dirty()
-            self.mtime_ns = time.time_ns()
+            self._touched()
             if self.stream is not None:
                 self.stream.on_truncate(length)
+
+    def _touched(self) -> None:
+        """New bytes: the mtime is now, as on a disk, also after a utimens set another."""
+        self.mtime_ns = time.time_ns()
+        if self.attrs is not None and self.attrs.mtime_ns is not None:
+            self.set_attrs(replace(self.attrs, mtime_ns=None))
+
+    def set_attrs(self, attrs: PosixAttrs | None) -> None:
+        """Attributes for the commit to carry; the journal says so too (a crash keeps them)."""
+        with self.lock:
+            self.attrs = attrs
+            if self._journaled:
+                self._write_journal()
 
     def _mark_dirty(self) -> None:
         self.dirty = True
         self.changes += 1
         if self._journaled or self.remote_url is None or self.unlinked:
             return
-        write_journal(self.journal_path, {"remote": self.remote_url, "key": self.key,
-                                          "base_version": None if self.base_version is None else str(self.base_version),
-                                          "data": os.path.basename(self.path)})
+        self._write_journal()
         self._journaled = True
+
+    def _write_journal(self) -> None:
+        entry = {"remote": self.remote_url, "key": self.key,
+                 "base_version": None if self.base_version is None else str(self.base_version),
+                 "data": os.path.basename(self.path)}
+        if self.attrs is not None and not self.attrs.empty:
+            entry["attrs"] = attrs_to_json(self.attrs)
+        write_journal(self.journal_path, entry)
 
     def rekey(self, key: str) -> None:
         """The file was renamed: later commits (and a recovery) go to the new name."""
@@ -192,12 +243,18 @@ class StagedFile:
             self.stream.abort()
             self.stream = None
 
-    def commit(self, upload: Callable[[str, str, ObjectVersion | None], ObjectVersion | None],
-               key: str | None = None, expect: ObjectVersion | None = None) -> ObjectVersion | None:
+    def commit(self, upload: Callable[..., ObjectVersion | None],
+               key: str | None = None, expect: ObjectVersion | None = None,
+               set_attrs: Callable[[str, PosixAttrs, ObjectVersion | None], ObjectVersion | None] | None = None,
+               ) -> ObjectVersion | None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error, and
         PreconditionFailed when the remote object is not ``expect`` (default: the version the
         writer started from). ``key`` commits elsewhere (a conflict copy; marinfs.commit decides
-        where and what it expects). Answers the new version if known."""
+        where and what it expects). Answers the new version if known.
+
+        ``attrs`` go with the upload (``upload(..., attrs=)``, only when set, so a plain file's
+        upload is what it always was). A streamed upload began before they were known: it is
+        followed by ``set_attrs`` (a metadata-only update of the version it made)."""
         with self.lock:
             if not self.dirty or self.unlinked:
                 return None
@@ -214,8 +271,14 @@ class StagedFile:
                     done, version = stream.finish(os.fstat(self.fd).st_size)
                 else:
                     stream.abort()
+            attrs = self.attrs if self.attrs is not None and not self.attrs.empty else None
             if not done:
-                version = upload(self.path, key or self.key, expect)
+                if attrs is None:
+                    version = upload(self.path, key or self.key, expect)
+                else:
+                    version = upload(self.path, key or self.key, expect, attrs=attrs)
+            elif (attrs or NO_ATTRS) != (self.streamed_attrs or NO_ATTRS) and set_attrs is not None:
+                version = set_attrs(self.key, attrs or NO_ATTRS, version) or version
             self.dirty = False
             self._drop_journal()
             return version

@@ -174,9 +174,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     finally:
         force_unmount(mnt)
         thread.join(timeout=30)
-        fetcher.close()
-        if cache is not None:
-            cache.close()
+        fs.close()  # as the daemon ends: the fetcher, the cache and the remote (its directory records flushed)
         # libfuse replaced the process's signal handlers; give Ctrl-C back to pytest.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
