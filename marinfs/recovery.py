@@ -77,5 +77,5 @@ def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remot
     journal.unlink(missing_ok=True)
     data.unlink(missing_ok=True)
     if not done.conflict:
-        log.info("recovered %s: committed the bytes a previous run had staged", key)
+        log.info("recovered %s: committed the bytes a failed or interrupted commit had kept", key)
     return Recovered(key, str(data), done.committed_as, conflict=done.conflict)
