@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,7 +199,13 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
         r = Remote(f"memory://t-{uuid.uuid4().hex}")
         r.fs.mkdir(r.root)
         yield r
-        r.fs.rm(r.root, recursive=True)
+        r.close()  # its directory records are written, their flusher stopped
+        for attempt in range(5):  # the store is shared: another test's flusher may write meanwhile
+            try:
+                r.fs.rm(r.root, recursive=True)
+                break
+            except RuntimeError:  # fsspec's memory find(): "dictionary changed size during iteration"
+                time.sleep(0.05)
     else:
         (tmp_path / "remote").mkdir()
         yield Remote(str(tmp_path / "remote"))

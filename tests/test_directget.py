@@ -524,3 +524,35 @@ def test_a_read_obstore_is_refused_falls_back(s3_server: Any, monkeypatch: pytes
 
     monkeypatch.setenv("MARINFS_OBSTORE", "0")
     assert Remote(url, s3_server.storage_options())._obstore is None
+
+
+ODD_KEYS = ["d/new\nline", "d/tab\tx", "d/b\\c", "d/./b", "d/../b", "d//b", "d/%41", "d/x y", "d/\x7f",
+            "d/\x01", "d/é", "d/*?#"]
+
+
+@pytest.mark.parametrize("key", ODD_KEYS)
+def test_obstore_representable_agrees_with_obstores_own_path_rules(key: str) -> None:
+    """Keys obstore would refuse (ValueError, before any request) go through the other path:
+    the check must say exactly what obstore's Path parser says."""
+    obstore = pytest.importorskip("obstore")
+    from obstore.store import MemoryStore
+
+    from marinfs.remote.s3obstore import representable
+
+    try:
+        obstore.put(MemoryStore(), key, b"x")
+        takes = True
+    except ValueError:
+        takes = False
+    assert representable(key) == takes
+
+
+def test_a_key_obstore_cannot_parse_is_read_through_the_other_path(s3_server: Any) -> None:
+    remote = Remote(f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}", s3_server.storage_options())
+    try:
+        remote.fs.pipe_file(remote.full("nl/new\nline"), b"odd key")
+        info = remote.stat("nl/new\nline")
+        assert remote.read_range("nl/new\nline", 0, 7, info.version) == b"odd key"
+        assert not remote._obstore_refused  # noqa: SLF001 - the other keys still go through obstore
+    finally:
+        remote.close()

@@ -27,7 +27,7 @@ from marinfs.remote.base import MiB, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
-from marinfs.remote.s3obstore import ObstoreGetter, Unusable
+from marinfs.remote.s3obstore import ObstoreGetter, Unusable, representable
 from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,8 @@ class S3Remote(Recorded, ObjectStoreRemote):
             return self._direct_first("get", lambda: self._call("get", _exactly(want, self._get_direct),
                                                                 full, start, end, etag), sdk)
 
-        if not etag or self._obstore is None or self._obstore_refused:
+        if (not etag or self._obstore is None or self._obstore_refused
+                or not representable(self.fs.split_path(full)[1])):  # odd keys: obstore refuses them
             return today()
         return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
                                                             full, start, end, etag), today)

@@ -48,6 +48,15 @@ def available() -> bool:
     return obstore is not None and os.environ.get("MARINFS_OBSTORE", "1") != "0"
 
 
+def representable(key: str) -> bool:
+    """Whether obstore's ``Path`` takes ``key`` as it is: it refuses ASCII control characters,
+    empty segments and ``.``/``..`` segments (ValueError before any request), all of which S3
+    keys may hold; those keys are read through the other path."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        return False
+    return all(part and part not in (".", "..") for part in key.rstrip("/").split("/"))
+
+
 class Unusable(Exception):
     """This filesystem's configuration cannot be described to obstore: use the other path."""
 
