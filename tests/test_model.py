@@ -24,6 +24,7 @@ how many examples and steps it ran. The core machine: ``MARINFS_MODEL_CORE_EXAMP
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import posixpath
@@ -85,6 +86,17 @@ mtimes = st.one_of(st.integers(0, 2**33 * 10**9), st.sampled_from([1_577_923_200
 xattr_names = st.sampled_from(["user.a", "user.b"])
 xattr_values = st.sampled_from([b"", b"1", b"\x00\xff", b"v" * 300])
 xattr_flags = st.sampled_from([0, os.XATTR_CREATE, os.XATTR_REPLACE])
+# Links have names of their own, which ``paths`` and ``where`` never produce: no rule but the link
+# rules meets a link, so no path goes through one (the kernel would resolve it on the mount; the
+# core, like marinfs, never follows links). Their targets are compared as text, never traversed.
+LINK_NAMES = ("l", "m")
+link_names = st.sampled_from(LINK_NAMES)
+link_targets = st.sampled_from(["a", "b", "a/b", "../c", "../a/b", "nowhere", "../../x/y", ".", "l", "c/"])
+FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
+fallocate_modes = st.sampled_from([0, FALLOC_FL_KEEP_SIZE])
+falloc_lengths = st.one_of(st.integers(1, 16), st.sampled_from([4096, CHUNK + 1]))
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 UMASK = os.umask(0o022)
 os.umask(UMASK)
 AS_ROOT = os.geteuid() == 0  # chown needs it on the model
@@ -102,7 +114,7 @@ def describe(tree: dict[str, Any]) -> dict[str, Any]:
     """A readable form of a snapshot for assertion messages (sizes and a digest, not bytes)."""
     import hashlib
 
-    return {k: v if v[0] == "dir" else (v[0], hashlib.sha1(v[1]).hexdigest()[:8], v[2]) for k, v in tree.items()}
+    return {k: v if v[0] in ("dir", "link") else (v[0], hashlib.sha1(v[1]).hexdigest()[:8], v[2]) for k, v in tree.items()}
 
 
 # -- drivers: the POSIX calls the rules make, on a directory or on the Filesystem core -----------
@@ -123,6 +135,10 @@ class Driver:
     def unlink(self, path: str) -> None: raise NotImplementedError
     def rename(self, src: str, dst: str) -> None: raise NotImplementedError
     def stat(self, path: str) -> tuple[str, int]: raise NotImplementedError  # ("dir", 0) or ("file", size)
+    def is_link(self, path: str) -> bool: raise NotImplementedError  # lstat(2)'s type, no link followed
+    def symlink(self, target: str, path: str) -> None: raise NotImplementedError
+    def readlink(self, path: str) -> str: raise NotImplementedError
+    def fallocate(self, h: Any, mode: int, offset: int, length: int) -> None: raise NotImplementedError
     def listdir(self, path: str) -> list[str]: raise NotImplementedError
     # What marinfs persists: (mode & 0o7777, uid, gid, {user.* name: value}), and the mtime.
     def meta(self, path: str) -> tuple[int, int, int, dict[str, bytes]]: raise NotImplementedError
@@ -153,13 +169,16 @@ class Driver:
             self.close(h)
 
     def snapshot(self, root: str) -> dict[str, Any]:
-        """Every entry below ``root``: directories as 'dir', files as (size, bytes). Raises on any
-        error, unlike os.walk, which would hide one."""
+        """Every entry below ``root``: directories as 'dir', files as (size, bytes), links as
+        ('link', target). Raises on any error, unlike os.walk, which would hide one."""
         out: dict[str, Any] = {}
 
         def walk(rel: str) -> None:
             for entry in sorted(self.listdir(f"{root}/{rel}" if rel else root)):
                 name = f"{rel}/{entry}" if rel else entry
+                if self.is_link(f"{root}/{name}"):
+                    out[name] = ("link", self.readlink(f"{root}/{name}"))
+                    continue
                 kind, size = self.stat(f"{root}/{name}")
                 meta = self.meta(f"{root}/{name}")
                 if kind == "dir":
@@ -220,6 +239,22 @@ class OsDriver(Driver):
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(self.base / path)
+
+    def is_link(self, path: str) -> bool:
+        return stat.S_ISLNK(os.lstat(self.base / path).st_mode)
+
+    def symlink(self, target: str, path: str) -> None:
+        os.symlink(target, self.base / path)
+
+    def readlink(self, path: str) -> str:
+        return os.readlink(self.base / path)
+
+    def fallocate(self, h: int, mode: int, offset: int, length: int) -> None:
+        if mode == 0:
+            os.posix_fallocate(h, offset, length)
+        elif _libc.fallocate(h, mode, offset, length) != 0:  # KEEP_SIZE: not in the os module
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
 
     def meta(self, path: str) -> tuple[int, int, int, dict[str, bytes]]:
         s = os.stat(self.base / path)
@@ -350,6 +385,10 @@ class FsDriver(Driver):
         if h.fh is not None:
             self.fs.fsync(h.fh)
 
+    def fallocate(self, h: CoreHandle, mode: int, offset: int, length: int) -> None:
+        fh = self._writable(h)  # the VFS answers EBADF for a descriptor not open for writing
+        self.fs.fallocate(fh, mode, offset, length)
+
     def truncate(self, path: str, length: int) -> None:
         if self._lookup(path).is_dir:
             raise OSError(errno.EISDIR, "is a directory", path)
@@ -385,6 +424,17 @@ class FsDriver(Driver):
     def listdir(self, path: str) -> list[str]:
         self._walk(path)
         return [posixpath.basename(info.name) for info in self.fs.readdir("/" + path)]
+
+    def is_link(self, path: str) -> bool:
+        return bool(self._lookup(path).link)
+
+    def symlink(self, target: str, path: str) -> None:
+        self._walk(path)
+        self.fs.symlink(target, "/" + path)
+
+    def readlink(self, path: str) -> str:
+        self._walk(path)  # the VFS answers EINVAL for a non-link itself; the core does the same
+        return self.fs.readlink("/" + path)
 
     def meta(self, path: str) -> tuple[int, int, int, dict[str, bytes]]:
         """What FuseAdapter.attrs shows: stored values, else the mount's defaults."""
@@ -654,12 +704,27 @@ def make_machine(target: Target | CoreTarget, model_base: Path, counters: Counte
         def where(self, data: st.DataObject) -> str:
             """A path: often one that exists, or a name inside an existing directory, so that calls
             meet files and directories rather than ENOENT."""
-            existing = sorted(str(p.relative_to(self.m)) for p in self.m.rglob("*"))
+            existing = sorted(str(p.relative_to(self.m)) for p in self.m.rglob("*") if not p.is_symlink())
             choices = [paths]
             if existing:
                 there = st.sampled_from(existing)
                 choices += [there, there, st.tuples(there, names).map("/".join)]
             return data.draw(st.one_of(*choices), label="path")
+
+        def where_link(self, data: st.DataObject) -> str:
+            """A path for the link rules: an existing link, a link name in an existing directory
+            (or in a path that is not one), or any path ``where`` draws (files, directories)."""
+            links = sorted(str(p.relative_to(self.m)) for p in self.m.rglob("*") if p.is_symlink())
+            dirs = [""] + sorted(str(p.relative_to(self.m)) for p in self.m.rglob("*")
+                                 if p.is_dir() and not p.is_symlink())
+            how = data.draw(st.sampled_from(["in a directory"] * 3 + ["anywhere", "below a path"]
+                                            + ["a link"] * bool(links)), label="link path")
+            if how == "anywhere":
+                return self.where(data)
+            if how == "a link":
+                return data.draw(st.sampled_from(links), label="link")
+            parent = data.draw(st.sampled_from(dirs) if how == "in a directory" else paths, label="in")
+            return posixpath.join(parent, data.draw(link_names, label="name"))
 
         def pick(self, slot: int) -> OpenFile | None:
             return self.files[slot % len(self.files)] if self.files else None
@@ -782,6 +847,17 @@ def make_machine(target: Target | CoreTarget, model_base: Path, counters: Counte
             model, mount = self.on_fd(f, lambda d, h: d.fsync(h))
             self.agree(f"fsync({f.path!r})", model, mount)
 
+        @rule(slot=fd_slots, mode=fallocate_modes, offset=st.integers(0, 32), length=falloc_lengths,
+              data=st.data())
+        def fallocate(self, slot: int, mode: int, offset: int, length: int, data: st.DataObject) -> None:
+            """Mode 0 (posix_fallocate: zeros past the end) and KEEP_SIZE (reserves only)."""
+            f = self.handle(slot, data)
+            if f is None:
+                return
+            model, mount = self.on_fd(f, lambda d, h: d.fallocate(h, mode, offset, length))
+            self.agree(f"fallocate({f.path!r}, {mode}, {offset}, {length})", model, mount)
+            self.note_change()
+
         @precondition(lambda self: self.files)
         @rule(slot=fd_slots)
         def close(self, slot: int) -> None:
@@ -833,6 +909,19 @@ def make_machine(target: Target | CoreTarget, model_base: Path, counters: Counte
             self.agree(f"stat({path!r})", model, mount)
             model, mount = self.both(lambda d, p: sorted(d.listdir(p)), path)
             self.agree(f"listdir({path!r})", model, mount)
+
+        # -- links: created, read and listed, never traversed (see LINK_NAMES) ----------------
+        @rule(data=st.data(), to=link_targets)  # (``target`` is hypothesis's: a rule's bundle)
+        def symlink(self, data: st.DataObject, to: str) -> None:
+            path = self.where_link(data)
+            model, mount = self.both(lambda d, p: d.symlink(to, p), path)
+            self.agree(f"symlink({to!r}, {path!r})", model, mount)
+
+        @rule(data=st.data())
+        def readlink(self, data: st.DataObject) -> None:
+            path = self.where_link(data)
+            model, mount = self.both(lambda d, p: d.readlink(p), path)
+            self.agree(f"readlink({path!r})", model, mount)
 
         # -- persisted attributes (the tree's comparison includes mode, owner and xattrs) ------
         @rule(data=st.data(), mode=modes)
