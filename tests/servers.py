@@ -150,6 +150,11 @@ class S3Server:
         self.stop()
         self.proc = start_seaweedfs(self.workdir, self.bucket, args=list(self.proc.args), endpoint=self.endpoint).proc
 
+    def rclone_remote(self) -> str:
+        """The bucket as an rclone on-the-fly remote (``:s3,...:bucket``), for peer tests."""
+        return (f":s3,provider=Other,endpoint='{self.endpoint}',access_key_id={self.access_key},"
+                f"secret_access_key={self.secret_key}:{self.bucket}")
+
     def stop(self) -> None:
         """Terminate the server process (by PID) and remove its stray unix socket."""
         _stop_proc(self.proc)

@@ -78,8 +78,7 @@ def test_s3fs_fuse_and_marinfs_read_each_others_modes_and_times(s3_server: Any, 
 def test_rclone_reads_marinfs_mtimes_and_marinfs_reads_rclones_metadata(s3_server: Any, tmp_path: Path) -> None:
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     url = f"s3://{s3_server.bucket}/{prefix}"
-    conn = (f":s3,provider=Other,endpoint='{s3_server.endpoint}',access_key_id={s3_server.access_key},"
-            f"secret_access_key={s3_server.secret_key}:{s3_server.bucket}")
+    conn = s3_server.rclone_remote()
     mnt = tmp_path / "mnt"
     with subprocess_mount(url, mnt, tmp_path / "cache", env=s3_server.env()):
         (mnt / "f").write_text("ours")

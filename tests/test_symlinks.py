@@ -291,8 +291,7 @@ def test_hugging_face_hub_cache_layout(mounted_dir: Mounted) -> None:
 def test_rclone_reads_marinfs_links_on_s3_and_marinfs_reads_rclones(s3_server: Any, tmp_path: Path) -> None:
     base = f"t-{uuid.uuid4().hex[:12]}"
     url = f"s3://{s3_server.bucket}/{base}"
-    conn = (f":s3,provider=Other,endpoint='{s3_server.endpoint}',access_key_id={s3_server.access_key},"
-            f"secret_access_key={s3_server.secret_key}:{s3_server.bucket}")
+    conn = s3_server.rclone_remote()
     mnt = tmp_path / "mnt"
     with subprocess_mount(url, mnt, tmp_path / "cache", env=s3_server.env()):
         (mnt / "d").mkdir()
