@@ -295,22 +295,29 @@ class ChunkCache:
 
     def _write(self, fd: int, data: Buffer, c: bool) -> int:
         """All of ``data`` to ``fd``: the block-aligned bulk with O_DIRECT (from an aligned
-        buffer, as it requires), the tail and any filesystem without O_DIRECT buffered. Answers
-        the checksum of what was written (CRC-32C if ``c``), taken from the aligned copy where
-        it can be: any buffer is checksummed without a copy more."""
+        buffer, as it requires: ``data`` itself when it is a writable page-aligned buffer, such
+        as the pooled buffer a chunk was fetched into, else a copy in this thread's aligned
+        buffer), the tail and any filesystem without O_DIRECT buffered. Answers the checksum of
+        what was written (CRC-32C if ``c``), taken at the aligned buffer's address where it
+        can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
         view = memoryview(data)
         bulk = len(view) - len(view) % _ALIGN if self._direct_io else 0
         crc = None
         if bulk:
-            buf = getattr(self._local, "buf", None)
-            if buf is None or len(buf) < bulk:
-                buf = self._local.buf = mmap.mmap(-1, max(bulk, 8 << 20))  # page-aligned
-                self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-            buf[:bulk] = view[:bulk]
+            addr = _aligned_address(view)
+            if addr is not None:  # a pooled buffer (buffers.py): written from where it is
+                src = view
+            else:
+                buf = getattr(self._local, "buf", None)
+                if buf is None or len(buf) < bulk:
+                    buf = self._local.buf = mmap.mmap(-1, max(bulk, 8 << 20))  # page-aligned
+                    self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+                buf[:bulk] = view[:bulk]
+                src, addr = memoryview(buf), self._local.addr
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             try:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-                _write_all(fd, memoryview(buf)[:bulk])
+                _write_all(fd, src[:bulk])
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -321,7 +328,7 @@ class ChunkCache:
             finally:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             if bulk and c and _crc32c_extend is not None:
-                crc = _crc32c_extend(0, self._local.addr, bulk)
+                crc = _crc32c_extend(0, addr, bulk)
                 tail = view[bulk:].tobytes()
                 crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
         _write_all(fd, view[bulk:], offset=bulk)
@@ -366,6 +373,16 @@ class ChunkCache:
 
 
 _ALIGN = 4096  # O_DIRECT wants block-aligned sizes and buffers; 4 KiB suits every common disk
+
+
+def _aligned_address(view: memoryview) -> int | None:
+    """Where a writable, contiguous buffer starts, if that is page-aligned (what O_DIRECT
+    needs: a pooled buffer from buffers.py is); None for anything else (``bytes``, obstore's
+    ``Bytes``: read-only, copied into an aligned buffer first)."""
+    if view.readonly or not view.c_contiguous or not view.nbytes:
+        return None
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return addr if addr % mmap.PAGESIZE == 0 else None
 
 
 def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:

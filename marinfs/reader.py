@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from marinfs.buffers import BufferPool
 from marinfs.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 
 Fetch = Callable[[str, int, int, Any], Any]  # (key, start, end, version) -> bytes or any buffer
+FetchInto = Callable[[str, int, int, Any, memoryview], None]  # the same bytes, into the buffer given
 
 
 def _piece(data: Any, offset: int, size: int) -> bytes:
@@ -57,7 +59,7 @@ def _piece(data: Any, offset: int, size: int) -> bytes:
 class _Held:
     """A chunk in memory."""
 
-    data: Any  # bytes, or the buffer the remote answered (obstore's Bytes)
+    data: Any  # bytes, the buffer the remote answered (obstore's Bytes), or a pooled buffer's view
     held: bool  # fetched for a reader that has not read all of it yet: never evicted
     writing: bool  # queued for the disk cache: its memory is taken anyway, and not on disk yet
     served: int = 0  # bytes read from it; a reader that read them all releases it
@@ -68,8 +70,12 @@ class ChunkFetcher:
     the mount's memory budget."""
 
     def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
-                 workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4) -> None:
+                 workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4,
+                 fetch_into: FetchInto | None = None) -> None:
         self.fetch = fetch
+        # With ``fetch_into``, a chunk is fetched into a pooled page-aligned buffer (buffers.py)
+        # that the disk cache writes from and readers copy from: no allocation, no copy more.
+        self.fetch_into = fetch_into
         self.cache = cache
         self.chunk_size = chunk_size
         self._lock = threading.Lock()
@@ -93,6 +99,11 @@ class ChunkFetcher:
         self._pending_writes = 0
         self._settled = threading.Condition()
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write")
+        # Idle buffers kept: as many chunks as the budget, the demand fetches (one per worker,
+        # as many reading threads as that at most in practice) and the sweep's (half the
+        # workers) take. A chunk waiting for the disk past the budget, or a reader's copy
+        # in progress, takes a fresh buffer instead: bounded by those, never kept past `keep`.
+        self.buffers = BufferPool(chunk_size, self.memory_bytes // chunk_size + workers + workers // 2)
 
     def sweep_allowed(self, size: int) -> bool:
         """Whether the disk cache can keep a whole object of ``size`` bytes (twice over)."""
@@ -250,16 +261,40 @@ class ChunkFetcher:
             self._inflight[ck] = future
             return future, True
 
-    def _fetch_split(self, obj: ObjectRef, start: int, end: int) -> bytes:
-        """``[start, end)`` as up to ``split`` parallel GETs, the first one in this thread."""
+    def _fetch(self, obj: ObjectRef, start: int, end: int, split: bool) -> Any:
+        """``[start, end)`` of ``obj``: as one GET, or as up to ``split`` parallel GETs (the
+        first one in this thread), into one pooled buffer when the remote can fill one."""
         step = -(-(end - start) // self.split)
-        if self.split == 1 or step < (1 << 20):
-            return self.fetch(obj.key, start, end, obj.version)
+        if not split or self.split == 1 or step < (1 << 20):
+            if self.fetch_into is None:
+                return self.fetch(obj.key, start, end, obj.version)
+            buf = self.buffers.take(end - start)
+            self.fetch_into(obj.key, start, end, obj.version, buf)
+            return buf
+        return self._fetch_split(obj, start, end, step)
+
+    def _fetch_split(self, obj: ObjectRef, start: int, end: int, step: int) -> Any:
         bounds = [(lo, min(end, lo + step)) for lo in range(start, end, step)]
-        rest = [self._split_pool.submit(self.fetch, obj.key, lo, hi, obj.version) for lo, hi in bounds[1:]]
+        if self.fetch_into is None:
+            rest = [self._split_pool.submit(self.fetch, obj.key, lo, hi, obj.version) for lo, hi in bounds[1:]]
+            try:
+                first = self.fetch(obj.key, *bounds[0], obj.version)
+                return b"".join([first, *(f.result() for f in rest)])
+            finally:
+                for f in rest:
+                    f.cancel()
+        # Each GET fills its own slice of the chunk's buffer. A GET still running after
+        # another failed holds its slice, so the buffer is not reused under it (buffers.py).
+        buf = self.buffers.take(end - start)
+        into = self.fetch_into
+        rest = [self._split_pool.submit(into, obj.key, lo, hi, obj.version, buf[lo - start:hi - start])
+                for lo, hi in bounds[1:]]
         try:
-            first = self.fetch(obj.key, *bounds[0], obj.version)
-            return b"".join([first, *(f.result() for f in rest)])
+            lo, hi = bounds[0]
+            into(obj.key, lo, hi, obj.version, buf[lo - start:hi - start])
+            for f in rest:
+                f.result()
+            return buf
         finally:
             for f in rest:
                 f.cancel()
@@ -269,7 +304,7 @@ class ChunkFetcher:
         start = index * self.chunk_size
         end = min(obj.size, start + self.chunk_size)
         try:
-            data = self._fetch_split(obj, start, end) if demand else self.fetch(obj.key, start, end, obj.version)
+            data = self._fetch(obj, start, end, split=demand)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:

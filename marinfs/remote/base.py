@@ -467,6 +467,17 @@ class Remote:
         self.stats.add_bytes(bytes_in=len(data))
         return data
 
+    def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
+        """:meth:`read_buffer`'s bytes into ``buf`` (``len(buf) == end - start``, a pooled chunk
+        buffer). Here a copy of what the backend answered; backends that can read a body
+        straight into memory (S3 over urllib3) do that instead. Fewer bytes than asked is
+        EOFError (with a version, already retried as a response cut short)."""
+        data = self.read_buffer(key, start, end, version)
+        if len(data) != len(buf):
+            raise EOFError(f"short read of {key}: {len(data)} of {len(buf)} bytes at {start}")
+        view = memoryview(data)
+        buf[:] = view if view.format == "B" else view.cast("B")
+
     def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
         """A ranged read checked around: the stat after it must still show ``version``."""
         def changed() -> bool:  # a shorter object is a new version, not a cut-short response

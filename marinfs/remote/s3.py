@@ -23,7 +23,7 @@ import fsspec.asyn
 from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
-from marinfs.remote.base import MiB, _exactly, _one_line, _run
+from marinfs.remote.base import MiB, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
@@ -70,6 +70,9 @@ class S3Remote(Recorded, ObjectStoreRemote):
             self._direct.on_request = lambda: self.stats.add("list")  # botocore's hook does not see it
         self._obstore = self._obstore_getter()
         self._obstore_refused = False  # set once obstore failed where the other paths did not
+        # Chunk fetches into the fetcher's buffers: read from the socket by urllib3 (default), or
+        # through obstore and copied in (MARINFS_GET=obstore).
+        self.get_into_socket = os.environ.get("MARINFS_GET", "socket") != "obstore"
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Our timeouts, and botocore's retries reduced to one attempt: ours is the one loop."""
@@ -226,6 +229,34 @@ class S3Remote(Recorded, ObjectStoreRemote):
             return today()
         return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
                                                             full, start, end, etag), today)
+
+    def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
+        """A pinned chunk fetch read straight from the socket into ``buf`` (s3http.py's
+        ``get_into``: no intermediate ``bytes``), with every rule of :meth:`_read`: ``If-Match``,
+        the one retry loop (a body cut short is retried), a 403 falls back to s3fs. Through
+        obstore instead (its buffer copied in) when MARINFS_GET=obstore, or for what the
+        urllib3 path does not serve (no ETag)."""
+        etag = version.value if version is not None and version.kind == "etag" else None
+        if not etag or self._direct is None or self._direct_refused or not self.get_into_socket:
+            return super().read_into(key, start, end, version, buf)
+        if start >= end:
+            return
+        full = self.full(key)
+        want = end - start
+
+        def sdk() -> None:
+            data = self._read_call(_exactly(want, self._s3_get_if_match), full, start, end, etag)
+            buf[:] = data
+
+        self._direct_first("get", lambda: self._call("get", self._get_direct_into, full, start, end, etag, buf), sdk)
+        self.stats.add_bytes(bytes_in=want)
+
+    def _get_direct_into(self, full: str, start: int, end: int, etag: str, buf: memoryview) -> None:
+        assert self._direct is not None
+        self.stats.add("get")  # not seen by botocore's hook: count it here
+        n = self._direct.get_into(full, start, end, etag, buf)
+        if n != len(buf):
+            raise TruncatedResponse(f"short read of {full}: {n} of {len(buf)} bytes at {start}")
 
     def _obstore_first(self, full: str, ours: Callable[[], T], other: Callable[[], T]) -> T:
         """A read through obstore, else (a 403 the other paths do not meet, or a store obstore

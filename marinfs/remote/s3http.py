@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import logging
 import hashlib
+import http.client
 import threading
 import time
 from collections.abc import Callable
@@ -78,19 +79,26 @@ class S3Http:
 
     def _send(self, method: str, what: str, url: Callable[[bool], str], headers: dict[str, str] | None = None,
               body: bytes | None = None, ok: tuple[int, ...] = (200,),
-              answers: dict[int, Callable[[], Exception]] | None = None) -> urllib3.BaseHTTPResponse:
+              answers: dict[int, Callable[[], Exception]] | None = None,
+              preload: bool = True) -> urllib3.BaseHTTPResponse:
         """One request; a 403 signs again once (an expired or revoked signature). Statuses in
         ``answers`` raise their exception, transient ones ConnectionError (retried by the caller's
-        Remote._call), anything else EIO."""
+        Remote._call), anything else EIO. Without ``preload``, an answer in ``ok`` comes back
+        with its body unread (the caller reads it and gives the connection back)."""
         for attempt in (1, 2):
             try:
                 resp = self.pool.request(method, url(attempt == 2), headers=headers, body=body,
-                                         preload_content=True)
+                                         preload_content=preload, decode_content=preload)
+                status = resp.status
+                if status in ok and not preload:
+                    return resp
+                if not preload:
+                    resp.read()  # an error's body: read, so the connection can be reused
+                    resp.release_conn()
             except urllib3.exceptions.TimeoutError as exc:
                 raise TimeoutError(f"{method} {what}: {exc}") from None
             except urllib3.exceptions.HTTPError as exc:  # refused, reset, truncated body...
                 raise ConnectionError(f"{method} {what}: {exc}") from None
-            status = resp.status
             if status in ok:
                 return resp
             if answers and status in answers:
@@ -115,6 +123,56 @@ class S3Http:
         if resp.status == 416:
             return b""
         return resp.data if resp.status == 206 else resp.data[start:end]  # 200: the server ignored the range
+
+    def get_into(self, full: str, start: int, end: int, etag: str | None, buf: memoryview) -> int:
+        """Bytes [start, end) of ``full`` (the version with this ETag only, if given) read
+        straight into ``buf`` (``len(buf) == end - start``): http.client's ``readinto`` on the
+        socket, the GIL released while it waits, no ``bytes`` in between. Answers how many bytes
+        came (fewer: the body was cut short; the caller decides). What this path cannot read
+        in place (a 200 of the whole object, an encoded body) is copied in."""
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            headers["If-Match"] = f'"{etag}"'
+        resp = self._send("GET", full, lambda fresh: self._url(full, fresh), headers, ok=(200, 206, 416), answers={
+            412: lambda: StaleVersionError(f"{full} is no longer version {etag}"),
+            404: lambda: FileNotFoundError(2, "no such object", full)}, preload=False)
+        raw = getattr(resp, "_fp", None)  # urllib3's http.client response: readinto on the socket
+        done = False
+        try:
+            if resp.status == 416:
+                return 0
+            sent = _range_start(resp.headers.get("Content-Range"))
+            if resp.status != 206 or sent not in (None, start) or resp.headers.get("Content-Encoding", "identity") \
+                    != "identity" or raw is None or not hasattr(raw, "readinto"):
+                data = resp.read(decode_content=True)
+                if resp.status == 206 and sent not in (None, start):  # never bytes of another offset
+                    raise OSError(5, f"GET {full}: the server sent {resp.headers.get('Content-Range')} "
+                                     f"for {start}-{end - 1}")
+                data = data if resp.status == 206 else data[start:end]  # 200: the server ignored the range
+                n = min(len(data), len(buf))
+                buf[:n] = data[:n]
+                done = True
+                return n
+            n = 0
+            while n < len(buf):
+                got = raw.readinto(buf[n:])
+                if not got:
+                    break
+                n += got
+            done = n == len(buf) and raw.isclosed()  # all of the body read: the connection is reusable
+            return n
+        except TimeoutError as exc:  # socket.timeout: the read timeout
+            raise TimeoutError(f"GET {full}: {exc}") from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:
+            if isinstance(exc, OSError) and exc.errno == 5:
+                raise
+            raise ConnectionError(f"GET {full}: {exc}") from None
+        except http.client.HTTPException as exc:  # IncompleteRead and kin: a body cut short
+            raise ConnectionError(f"GET {full}: {exc!r}") from None
+        finally:
+            if not done:
+                resp.close()  # unread body left, or a broken one: never back in the pool
+            resp.release_conn()
 
     def get_whole(self, full: str) -> tuple[bytes, str]:
         """The whole object and the ETag (unquoted) of those very bytes, in one GET."""
@@ -178,6 +236,16 @@ class S3Http:
     def close(self) -> None:
         """Close the connections kept for reuse (a daemon ends, a test drops its remote)."""
         self.pool.clear()
+
+
+def _range_start(content_range: str | None) -> int | None:
+    """The first byte a ``Content-Range: bytes a-b/n`` answer holds (None: no header)."""
+    if not content_range:
+        return None
+    try:
+        return int(content_range.split()[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return -1  # unreadable: not the range asked for
 
 
 def parse_listing(xml: bytes, bucket: str) -> tuple[list[dict[str, Any]], str | None]:
