@@ -556,3 +556,74 @@ def test_a_key_obstore_cannot_parse_is_read_through_the_other_path(s3_server: An
         assert not remote._obstore_refused  # noqa: SLF001 - the other keys still go through obstore
     finally:
         remote.close()
+
+
+def test_get_into_reads_the_body_into_the_buffer_and_maps_every_answer(server: str) -> None:
+    """``get_into``: the ranged body lands in the caller's buffer; a cut-short body answers the
+    bytes that came (or a transient error), a 412 is StaleVersionError, a 200 of the whole
+    object is cut to the range, a stalled body is TimeoutError; the connection stays usable."""
+    from marinfs.remote import is_transient
+
+    g = getter(server, [])
+    buf = memoryview(bytearray(100))
+    assert g.get_into("b/k", 10, 110, "abc", buf) == 100 and bytes(buf) == BODY[10:110]
+    sent = {k.lower(): v for k, v in Scripted.seen[-1].items()}
+    assert sent["range"] == "bytes=10-109" and sent["if-match"] == '"abc"'
+    Scripted.script = ["200"]
+    assert g.get_into("b/k", 3, 103, None, buf) == 100 and bytes(buf) == BODY[3:103]
+    Scripted.script = ["412"]
+    with pytest.raises(StaleVersionError):
+        g.get_into("b/k", 0, 100, "abc", buf)
+    Scripted.script = ["truncated"]
+    try:
+        n = g.get_into("b/k", 0, 100, None, buf)
+    except ConnectionError as exc:  # http.client may call it an IncompleteRead
+        assert is_transient(exc)
+    else:
+        assert n == 10 and bytes(buf[:10]) == BODY[:10]
+    Scripted.script = ["slow"]
+    with pytest.raises(TimeoutError):
+        g.get_into("b/k", 0, 100, None, buf)
+    Scripted.script = ["503"]
+    with pytest.raises(ConnectionError):
+        g.get_into("b/k", 0, 100, None, buf)
+    for start in (0, 500, 900):  # and the next requests are fine
+        assert g.get_into("b/k", start, start + 100, None, buf) == 100 and bytes(buf) == BODY[start:start + 100]
+
+
+def test_read_into_on_s3_matches_read_range_retries_short_bodies_and_is_stale_on_412(
+        s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3Remote.read_into (the chunk fetcher's path): the same bytes as read_range, read from the
+    socket (obstore not used), one GET each, a body cut short retried by the one retry loop, a
+    replaced object ESTALE."""
+    from marinfs.remote.s3http import S3Http
+
+    direct, _ = direct_and_plain(s3_server, monkeypatch)
+    if direct._obstore is not None:
+        monkeypatch.setattr(direct._obstore, "get", lambda *a: (_ for _ in ()).throw(AssertionError("obstore")))
+    data = os.urandom((3 << 20) + 5)
+    direct.fs.pipe_file(direct.full("obj"), data)
+    version = direct.stat("obj").version
+    direct.stats.reset()
+    for start, end in ((0, 1), (5, 1 << 20), (1 << 20, len(data))):
+        buf = memoryview(bytearray(end - start))
+        direct.read_into("obj", start, end, version, buf)
+        assert bytes(buf) == data[start:end]
+    assert direct.stats.count("get") == 3
+    real = S3Http.get_into
+    cut = [True]
+
+    def once_short(self: S3Http, full: str, start: int, end: int, etag: str | None, buf: memoryview) -> int:
+        n = real(self, full, start, end, etag, buf)
+        if cut.pop() if cut else False:
+            return n - 1  # as a body cut short would answer
+        return n
+
+    monkeypatch.setattr(S3Http, "get_into", once_short)
+    buf = memoryview(bytearray(1000))
+    direct.stats.reset()
+    direct.read_into("obj", 0, 1000, version, buf)
+    assert bytes(buf) == data[:1000] and direct.stats.count("get") == 2  # retried once
+    direct.fs.pipe_file(direct.full("obj"), b"replaced")
+    with pytest.raises(StaleVersionError):
+        direct.read_into("obj", 0, 4, version, memoryview(bytearray(4)))

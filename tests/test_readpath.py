@@ -391,3 +391,114 @@ def test_readahead_of_many_readers_shares_one_memory_budget() -> None:
     time.sleep(0.03)
     assert len(lone.calls) == 6  # the chunk read and 5 ahead: as many as the budget holds
     solo.close()
+
+
+class IntoFetch(RecordingFetch):
+    """A remote that reads into the buffer it is given (``fetch_into``), as S3 over urllib3 does."""
+
+    def into(self, key: str, start: int, end: int, version: str, buf: memoryview) -> None:
+        data = self(key, start, end, version)
+        if len(data) != len(buf):
+            raise EOFError(f"short read: {len(data)} of {len(buf)}")
+        buf[:] = data
+
+
+def test_a_pooled_buffer_is_never_reused_while_anyone_still_holds_it() -> None:
+    """Buffers return to the pool only when no view of them is left: a chunk's data held past
+    its eviction keeps its bytes while new chunks are fetched into recycled buffers."""
+    fetch = IntoFetch(DATA)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=1 * MiB, memory_bytes=2 * MiB, fetch_into=fetch.into)
+    obj = ref()
+    fetcher.read(obj, 0, 0, MiB, split=False)  # read through: evictable
+    with fetcher._lock:
+        held = fetcher._chunks[fetcher.chunk_key(obj, 0)].data  # what a reader copies out of, outside the lock
+    part = held[100:200]  # a slice a copy is made from holds the buffer too
+    del held
+    for index in range(1, 20):  # chunk 0 evicted, buffers recycled many times over
+        assert fetcher.read(obj, index, 0, MiB, split=False) == DATA[index * MiB:(index + 1) * MiB]
+    assert fetcher.chunk_key(obj, 0) not in fetcher._chunks
+    with fetcher._lock:  # and no two chunks in memory share a buffer
+        assert all(bytes(e.data) == DATA[ck.index * MiB:(ck.index + 1) * MiB] for ck, e in fetcher._chunks.items())
+    assert fetcher.buffers.reused > 0  # buffers did come back and were reused...
+    assert part.tobytes() == DATA[100:200]  # ...never the one still referenced
+    before = fetcher.buffers.idle()
+    del part
+    assert fetcher.buffers.idle() == min(fetcher.buffers.keep, before + 1)  # its last view gone: back
+    fetcher.close()
+
+
+def test_the_pool_keeps_at_most_its_bound_of_idle_buffers() -> None:
+    from marinfs.buffers import BufferPool
+
+    pool = BufferPool(64 * KiB, keep=2)
+    views = [pool.take(64 * KiB) for _ in range(5)]
+    assert pool.allocated == 5 and pool.idle() == 0
+    import ctypes
+    assert all(ctypes.addressof(ctypes.c_char.from_buffer(v)) % 4096 == 0 for v in views)  # page-aligned
+    del views
+    assert pool.idle() == 2
+    short = pool.take(10)
+    assert len(short) == 10 and pool.reused == 1
+    with pytest.raises(ValueError):
+        pool.take(64 * KiB + 1)
+
+
+def test_a_split_fetch_fills_each_slice_of_one_buffer(tmp_path: Path) -> None:
+    """A first read's sub-range GETs each read into their own slice of the chunk's buffer."""
+    fetch = IntoFetch(DATA, delay=0.01)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB), chunk_size=8 * MiB, fetch_into=fetch.into)
+    obj = ref(size=12 * MiB + 5)
+    assert fetcher.read(obj, 0, 0, 8 * MiB) == DATA[:8 * MiB]
+    assert sorted(fetch.calls) == [(0, 2 * MiB), (2 * MiB, 4 * MiB), (4 * MiB, 6 * MiB), (6 * MiB, 8 * MiB)]
+    assert fetcher.read(obj, 1, 0, 4 * MiB + 5) == DATA[8 * MiB:12 * MiB + 5]  # a short last chunk
+    with fetcher._lock:
+        assert all(isinstance(e.data, memoryview) and len(e.data) == fetcher._size(obj, ck.index)
+                   for ck, e in fetcher._chunks.items())
+    assert fetcher.settle()
+    fetcher.drop_memory()
+    assert fetcher.read(obj, 0, 3, 5 * MiB) == DATA[3:5 * MiB + 3]  # from the disk cache, as written
+    assert fetched(fetch.calls) == 12 * MiB + 5
+    fetcher.cache.check_invariants()
+    fetcher.close()
+
+
+def test_a_failed_sub_range_fails_the_read_and_a_short_one_is_eoferror() -> None:
+    class Failing(IntoFetch):
+        def into(self, key: str, start: int, end: int, version: str, buf: memoryview) -> None:
+            if start == 4 * MiB:
+                raise ConnectionError("reset")
+            super().into(key, start, end, version, buf)
+
+    fetch = Failing(DATA)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=8 * MiB, fetch_into=fetch.into)
+    with pytest.raises(ConnectionError):
+        fetcher.read(ref(), 0, 0, 10)
+    short = IntoFetch(DATA, short=True)
+    fetcher = ChunkFetcher(short, None, chunk_size=1 * MiB, fetch_into=short.into)
+    with pytest.raises(EOFError):
+        ObjectReader(ref(), fetcher).read(10, 5 * MiB)
+    assert fetcher.memory()["used"] == 0 and fetcher.memory()["reserved"] == 0
+
+
+@pytest.mark.parametrize("size", [8 * MiB, 3 * MiB + 123])
+def test_a_pooled_buffer_is_written_in_place_with_the_same_name_and_crc(tmp_path: Path, size: int) -> None:
+    """A chunk in a pooled (page-aligned, writable) buffer goes to disk with O_DIRECT from that
+    very buffer, no copy into the thread's aligned buffer; its file name and CRC-32C are the
+    ones ``bytes`` get, and it verifies after a restart."""
+    from marinfs.buffers import BufferPool
+
+    data = os.urandom(size)
+    plain = ChunkCache(tmp_path / "plain", 64 * MiB)
+    assert plain.put(key(1), data)
+    buf = BufferPool(8 * MiB, 1).take(size)
+    buf[:] = data
+    cache = ChunkCache(tmp_path / "pooled", 64 * MiB)
+    assert cache.put(key(1), buf) and cache._direct_io
+    assert getattr(cache._local, "buf", None) is None  # written from where it was
+    names = [p.name for p in (tmp_path / "pooled").rglob("*-1-*")]
+    assert names == [p.name for p in (tmp_path / "plain").rglob("*-1-*")] and "-c" in names[0]
+    assert bytes(buf) == data  # untouched
+    cache.check_invariants()
+    cache.close()
+    again = ChunkCache(tmp_path / "pooled", 64 * MiB)
+    assert again.read(key(1), 0, size) == data and again.stats.corrupt == 0
