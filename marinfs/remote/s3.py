@@ -230,6 +230,15 @@ class S3Remote(Recorded, ObjectStoreRemote):
         return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
                                                             full, start, end, etag), today)
 
+    def _check(self) -> None:
+        """Build the signing client for the bucket in the background (tens of ms of botocore
+        setup), so the mount's first reads do not wait for it; a failure is only logged, and
+        the first request builds it (or signs through s3fs) as before."""
+        if self._direct is not None:
+            bucket = self.fs.split_path(self.full(""))[0]
+            threading.Thread(target=self._presigner._client, args=(bucket,), name="presign-warm",
+                             daemon=True).start()
+
     def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
         """A pinned chunk fetch read straight from the socket into ``buf`` (s3http.py's
         ``get_into``: no intermediate ``bytes``), with every rule of :meth:`_read`: ``If-Match``,
