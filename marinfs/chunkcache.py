@@ -14,6 +14,9 @@ read's 1 GiB dirty the page cache faster than writeback drains it, and the kerne
 every writer to the disk's writeback speed: measured here, 4.4 GB/s for the first ~800 MiB,
 then 400 MiB/s, which capped cold reads. O_DIRECT writes ran at 1.7-2.0 GB/s sustained, and
 the page cache is left to the FUSE files themselves (no second copy of every chunk in memory).
+A chunk handed over in a writable page-aligned buffer (the fetcher's pooled buffers,
+buffers.py) is written from that buffer and checksummed at its address; any other buffer is
+copied into the writing thread's aligned buffer first. The file is the same either way.
 
 INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariants`): space is
 reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk

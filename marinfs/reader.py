@@ -24,6 +24,14 @@ window shrinks while other readers hold the budget. Chunks already read are kept
 budget has room (least recently used go first), and chunks still queued for the disk cache stay
 readable from memory until they are on disk. Beyond the budget: the chunks being fetched on
 demand (one per reading thread) and the background sweep's fetches (half the workers).
+
+Where the remote can read into a buffer it is given (``fetch_into``: S3 reads the body from the
+socket), a chunk is fetched into a page-aligned buffer from the fetcher's pool (buffers.py; a
+split fetch's GETs each into their slice of it): the disk cache writes it with O_DIRECT from
+there, readers copy out of it, and it goes back to the pool when the last reference to it is
+gone (the chunk left memory, its disk write finished, no reader copying from it). The pool
+keeps as many idle buffers as the budget, the demand fetches (one per worker) and the sweep
+take; ``_Held.data`` is then a ``memoryview`` of the buffer, ``len()`` the chunk's size.
 """
 
 from __future__ import annotations

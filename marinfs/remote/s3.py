@@ -1,9 +1,12 @@
 """S3 (and S3-compatible stores): s3fs for what it does well, plain HTTP for the hot paths.
 
-Pinned ranged reads (chunk fetches, readahead) go through obstore where it is installed
-(s3obstore.py: Rust, the lock released, the body handed on as its buffer); other reads, small
-commits, upload parts and listings go as presigned URLs over urllib3 on the
-calling threads (s3http.py: half the CPU per GiB of s3fs's event loop); creating and completing
+Chunk fetches (the fetcher's ``read_into``) read the GET's body from the socket straight into
+the chunk's pooled buffer, over urllib3 (s3http.py); other pinned ranged reads go through
+obstore where it is installed (s3obstore.py: Rust, the lock released, the body handed on as its
+buffer), and chunk fetches too with MARINFS_GET=obstore (its buffer then copied in: measured,
+more CPU per GiB than the socket read); other reads, small commits, upload parts and listings
+go as presigned URLs over urllib3 on the calling threads (s3http.py: half the CPU per GiB of
+s3fs's event loop); creating and completing
 multipart uploads, HEADs, copies and deletes stay with s3fs. Versions are ETags; every commit
 carries ``If-Match``/``If-None-Match: *``, every versioned read ``If-Match``.
 """

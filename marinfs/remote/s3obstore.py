@@ -8,7 +8,9 @@ and bucket regions mean what they mean to s3fs), its key/secret/token, else the 
 credential chain as a credential provider, its TLS verification, our timeouts. obstore's own
 retries are off: the one retry loop is remote/base.py's.
 
-Only pinned reads (``If-Match`` on the ETag) come here; everything else, and every store this
+Only pinned reads (``If-Match`` on the ETag) come here, and chunk fetches only with
+MARINFS_GET=obstore (by default they read the socket into the chunk's buffer, s3http.py:
+obstore cannot fill a caller's buffer); everything else, and every store this
 cannot describe (requester pays, SSE-C, virtual-hosted addressing on a custom endpoint), keeps
 the urllib3 path (s3http.py) or s3fs. Answers become what the rest of marinfs expects: 412
 StaleVersionError, 404 FileNotFoundError, 403/401 PermissionError (the caller falls back),
