@@ -237,6 +237,7 @@ class S3Remote(Recorded, ObjectStoreRemote):
         """Build the signing client for the bucket in the background (tens of ms of botocore
         setup), so the mount's first reads do not wait for it; a failure is only logged, and
         the first request builds it (or signs through s3fs) as before."""
+        super()._check()
         if self._direct is not None:
             bucket = self.fs.split_path(self.full(""))[0]
             threading.Thread(target=self._presigner._client, args=(bucket,), name="presign-warm",
