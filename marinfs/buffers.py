@@ -35,7 +35,9 @@ class BufferPool:
         self.size = size
         self.keep = keep
         self._idle: list[mmap.mmap] = []
-        self._lock = threading.Lock()
+        # Reentrant: a buffer's finalizer may run in any thread at any allocation, even one
+        # made while this thread holds the lock (the cyclic collector).
+        self._lock = threading.RLock()
         self.allocated = 0  # buffers mapped since the start (a count, for tests and status)
         self.reused = 0
         pool = self
