@@ -855,7 +855,7 @@ class Filesystem:
         if own is not None and own[0] == info.version and own[1] != info.mtime_ns:
             info = replace(info, mtime_ns=own[1])
         if self._native is not None and info.posix is not None and not info.link:
-            info = replace(info, posix=self._as_mounted(info.posix, info.is_dir))
+            info = info.with_posix(self._as_mounted(info.posix, info.is_dir))
         return info
 
     def _as_mounted(self, posix: PosixAttrs, is_dir: bool) -> PosixAttrs:

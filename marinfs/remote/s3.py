@@ -23,7 +23,7 @@ import fsspec.asyn
 from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
-from marinfs.remote.base import MiB, _exactly, _one_line, _run
+from marinfs.remote.base import MiB, OnPage, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
@@ -119,6 +119,18 @@ class S3Remote(Recorded, ObjectStoreRemote):
             log.debug("%s: reads without obstore: %s", self.url, why)
             return None
 
+    def warm(self) -> None:
+        """The presigning botocore client (about 0.3 s of botocore loading its service model,
+        which landed on a fresh mount's first listing) and obstore's store for the bucket."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if self._direct is not None:
+                self._presigner.listing({"Bucket": bucket, "Prefix": "", "Delimiter": "/"})
+            if self._obstore is not None:
+                self._obstore.store(bucket)
+        except Exception as exc:  # noqa: BLE001 - built (or failing) on first use instead
+            log.debug("%s: warming the clients: %s", self.url, exc)
+
     def close(self) -> None:
         super().close()
         if self._direct is not None:
@@ -191,16 +203,16 @@ class S3Remote(Recorded, ObjectStoreRemote):
                               MaxKeys=1)
         return bool(out.get("Contents") or out.get("CommonPrefixes"))
 
-    def _list_entries(self, full: str) -> list[dict[str, Any]]:
+    def _list_entries(self, full: str, on_page: OnPage | None = None) -> list[dict[str, Any]]:
         sdk = super()._list_entries
         if self._direct is None:
-            return sdk(full)
+            return sdk(full, on_page)
         bucket, path, _ = self.fs.split_path(full)
         direct = self._direct
         return self._direct_first(
             "list", lambda: self._call("list", direct.list, bucket, path.rstrip("/") + "/" if path else "",
-                                       self._presign_list),
-            lambda: sdk(full))
+                                       self._presign_list, on_page),
+            lambda: sdk(full, on_page))
 
     def _presign_list(self, params: dict[str, str]) -> str:
         return self._presigner.listing(params)
