@@ -242,11 +242,7 @@ class Filesystem:
             # from the pending set by now, but cached: look again before listing it twice.
             children = self.listings.wait(key) or self.metadata.get_listing(key)
         if children is None:
-            token = self.metadata.begin_listing(key)
-            try:
-                children = self.remote.list(key)
-            finally:
-                self.metadata.end_listing(key, token, children)
+            children = self._list_now(key)
         if self.listings is not None:
             self.listings.walked_into(key)
         names = {posixpath.basename(c.name) for c in children}
@@ -257,6 +253,17 @@ class Filesystem:
             if name not in names:
                 children.append(self._staged_info(staged))
         return [self._present(c) for c in children]
+
+    def _list_now(self, key: str) -> list[ObjectInfo]:
+        """One listing of ``key`` from the remote, cached under a listing token (a change made
+        meanwhile keeps the stale answer out of the cache)."""
+        token = self.metadata.begin_listing(key)
+        children = None
+        try:
+            children = self.remote.list(key)
+        finally:
+            self.metadata.end_listing(key, token, children)
+        return children
 
     def statfs(self) -> dict[str, int]:
         # Object stores have no capacity; report a large, stable figure so df and cp proceed.
@@ -336,11 +343,7 @@ class Filesystem:
         parent = posixpath.dirname(key)
         children = self.metadata.get_listing(parent)
         if children is None:
-            token = self.metadata.begin_listing(parent)
-            try:
-                children = self.remote.list(parent)
-            finally:
-                self.metadata.end_listing(parent, token, children)
+            children = self._list_now(parent)
         found = next((c for c in children if c.name == key), None)
         return found.posix if found is not None and found.posix is not None else NO_ATTRS
 
