@@ -2,7 +2,9 @@
 
 Each operation unpacks its arguments, calls :class:`marinfs.fs.Filesystem`, and packs the
 result. One decorator maps every exception to an errno through the table in errors.py; the
-binding would otherwise answer EINVAL for anything that is not an OSError.
+binding would otherwise answer EINVAL for anything that is not an OSError. Reads are the one
+op that does not return its result: the filesystem writes it into libfuse's reply buffer
+(``_Fuse.read``), so no ``bytes`` is made and copied again per read.
 """
 
 from __future__ import annotations

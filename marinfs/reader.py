@@ -24,6 +24,10 @@ window shrinks while other readers hold the budget. Chunks already read are kept
 budget has room (least recently used go first), and chunks still queued for the disk cache stay
 readable from memory until they are on disk. Beyond the budget: the chunks being fetched on
 demand (one per reading thread) and the background sweep's fetches (half the workers).
+
+Reads fill the caller's buffer (``read_into``: for FUSE, libfuse's reply buffer): one copy from
+a chunk in memory, or one ``preadv`` of a cached chunk's file straight into it; ``read`` is
+``read_into`` a new buffer, for callers that want ``bytes``.
 """
 
 from __future__ import annotations
