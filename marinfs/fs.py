@@ -744,24 +744,32 @@ class Filesystem:
             self.release(fh)
 
     def read(self, fh: int, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` as ``bytes`` (see read_into)."""
+        view = memoryview(bytearray(max(0, size)))
+        return view[:self.read_into(fh, view, offset)].tobytes()
+
+    def read_into(self, fh: int, dest: memoryview, offset: int) -> int:
+        """Fill ``dest`` (writable bytes: the FUSE reply buffer) with the file's bytes at
+        ``offset``, no more than it has there; answers how many. The bytes are copied once, from
+        a chunk in memory or read from a cached chunk or a staging file straight into ``dest``."""
         handle = self._handle(fh)
         staged = handle.staged
         if staged is None:
             other = self._staged.get(handle.key)  # another handle's uncommitted writes
             staged = other if other is not None and other.dirty else None
         if staged is not None:
-            return staged.read(size, offset)
+            return staged.read_into(dest, offset)
         try:
-            data = self._reader(handle).read(size, offset)
+            n = self._reader(handle).read_into(dest, offset)
         except StaleVersionError:
             if handle.served:
                 raise  # never mix versions within one handle: ESTALE
             # Nothing served yet: the stat we opened with was stale. Open the new version.
             self.metadata.invalidate(handle.key)
             handle.info, handle.reader = self.lookup(handle.key), None
-            data = self._reader(handle).read(size, offset)
+            n = self._reader(handle).read_into(dest, offset)
         handle.served = True  # only bytes actually returned pin the handle to its version
-        return data
+        return n
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
