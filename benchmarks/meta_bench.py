@@ -10,6 +10,7 @@ daemon's request counters from its metrics port:
             (another node's view): LIST / GET / HEAD, and that the modes and times show
   rsync -a  of the tree into the mount, then again after a remount: PUTs the second time
   s3fs-fuse ``ls -l`` of the same directory, if ``s3fs`` is installed (it HEADs each object)
+  ``--gcs``: the same ``ls -l`` directory written to fake-gcs-server and listed from a fresh mount
 
     python benchmarks/meta_bench.py --latency-ms 30
 """
@@ -129,11 +130,36 @@ def s3fs_fuse_ls(s3: Any, endpoint: str, prefix: str, tmp: Path, files: int) -> 
         mnt.rmdir()
 
 
+def gcs_ls(a: argparse.Namespace, tmp: Path) -> tuple[str, float, dict[str, int]]:
+    """The ``ls -l`` row on fake-gcs-server behind the same latency: GCS listings carry each
+    object's metadata, so no record GET for the files."""
+    gcs = servers.start_fake_gcs(tmp / "gcs")
+    proxy = None
+    try:
+        endpoint = gcs.endpoint
+        if a.latency_ms:
+            proxy = bench.start_proxy(gcs.endpoint, a.latency_ms, tmp / "gcs-proxy.log")
+            endpoint = proxy.endpoint
+        url = f"gs://{gcs.bucket}/meta-{os.getpid()}"
+        with marinfs_mount(url, {**os.environ, **gcs.env()}, tmp, "g-w") as m:
+            subprocess.run(["cp", "-a", str(tmp / "lsrc"), str(m.path / "ls")], check=True, timeout=1800)
+        with marinfs_mount(url, {**os.environ, **gcs.env(), "STORAGE_EMULATOR_HOST": endpoint}, tmp, "g-r") as m:
+            secs, reqs = counted(m, ["ls", "-l", str(m.path / "ls")])
+            out = subprocess.run(["ls", "-l", str(m.path / "ls")], capture_output=True, text=True, check=True).stdout
+            check_ls(out, a.ls_files)
+        return f"GCS: ls -l of {a.ls_files}, fresh mount", secs, reqs
+    finally:
+        if proxy is not None:
+            bench.stop_proc(proxy.proc)
+        gcs.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--latency-ms", type=float, default=0)
     ap.add_argument("--files", type=int, default=1000, help="files in the cp -a and rsync tree (1000)")
     ap.add_argument("--ls-files", type=int, default=2000, help="files in the ls -l directory (2000)")
+    ap.add_argument("--gcs", action="store_true", help="also the ls -l row on fake-gcs-server")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="meta-bench-"))
     s3 = servers.start_seaweedfs(tmp / "weed")
@@ -163,7 +189,9 @@ def main() -> None:
             rows.append((f"rsync -a of {a.files} files, again after a remount", *counted(
                 m, ["rsync", "-a", f"{tmp / 'src'}/", f"{m.path / 'rs'}/"])))
         peer = s3fs_fuse_ls(s3, endpoint, prefix, tmp, a.ls_files)
-        print(f"\nmarinfs persisted metadata on S3 (SeaweedFS), latency {a.latency_ms:.0f} ms\n")
+        if a.gcs:
+            rows.append(gcs_ls(a, tmp))
+        print(f"\nmarinfs persisted metadata on S3 (SeaweedFS; GCS rows: fake-gcs-server), latency {a.latency_ms:.0f} ms\n")
         print("| step | s | requests |\n|---|---:|---|")
         for name, secs, reqs in rows:
             print(f"| {name} | {secs:.2f} | {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'} |")

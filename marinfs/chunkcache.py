@@ -184,40 +184,61 @@ class ChunkCache:
 
     # -- reads ---------------------------------------------------------------------------------
     def read(self, key: ChunkKey, offset: int, size: int) -> bytes | None:
-        """Bytes ``[offset, offset+size)`` of a cached chunk, or None on a miss.
+        """Bytes ``[offset, offset+size)`` of a cached chunk, or None on a miss (see read_into)."""
+        ikey = (key.object_id, key.index)
+        with self._lock:
+            entry = self._index.get(ikey)
+        size = max(0, min(size, entry.size - offset)) if entry is not None else size
+        buf = bytearray(size)
+        if not self.read_into(key, memoryview(buf), offset):
+            return None
+        return bytes(buf)
 
-        A chunk's checksum is verified the first time it is read after a (re)start; a corrupt
-        chunk is discarded (a miss), never served.
+    def read_into(self, key: ChunkKey, dest: memoryview, offset: int) -> bool:
+        """Fill ``dest`` (writable bytes) with the chunk's bytes from ``offset`` on, read from
+        disk straight into it; False on a miss (``dest`` may then hold anything). A chunk file
+        shorter than that is corrupt: discarded, a miss.
+
+        A chunk's checksum is verified the first time it is read after a (re)start (that read
+        reads the whole chunk); a corrupt chunk is discarded (a miss), never served.
         """
         ikey = (key.object_id, key.index)
         with self._lock:
             entry = self._index.get(ikey)
             if entry is None:
                 self.stats.misses += 1
-                return None
+                return False
             self._index.move_to_end(ikey)
             verified = entry.verified
+        size = len(dest)
+        if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
+            self._discard(ikey, entry, corrupt=True)
+            return False
         try:
             if not verified:
                 data = entry.path.read_bytes()
                 if len(data) != entry.size or _checksum(data, entry.c) != entry.crc:
                     self._discard(ikey, entry, corrupt=True)
-                    return None
+                    return False
                 entry.verified = True
+                dest[:] = memoryview(data)[offset:offset + size]
                 self._hit()
-                return data[offset:offset + size]
-            with open(entry.path, "rb", buffering=0) as f:
-                data = os.pread(f.fileno(), size, offset)
+                return True
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                n = os.preadv(fd, [dest], offset)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             self._discard(ikey, entry)
-            return None
-        if len(data) != max(0, min(size, entry.size - offset)):
+            return False
+        if n != size:
             # Cut short since it was verified (not by us: chunks are written whole, then
             # renamed): a miss, never a short read handed to the kernel.
             self._discard(ikey, entry, corrupt=True)
-            return None
+            return False
         self._hit()
-        return data
+        return True
 
     def advise(self, key: ChunkKey) -> None:
         """Start reading a cached chunk from disk in the background (it is about to be read)."""

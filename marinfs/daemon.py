@@ -180,6 +180,7 @@ def run_foreground(cfg: MountConfig) -> None:
     stop, live = threading.Event(), threading.Event()
     watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop, live), daemon=True)
     watcher.start()
+    threading.Thread(target=fs.remote.warm, name="warm", daemon=True).start()
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),

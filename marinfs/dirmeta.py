@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -203,6 +204,7 @@ class DirRecords:
         self._force = 0  # flush() requests made
         self._forced = 0  # flush() requests a round has answered
         self._forced_ok = True  # whether that round wrote everything
+        self._reading: dict[str, Future[_Record]] = {}  # dir -> the record GET prefetch() started
 
     # -- reads ---------------------------------------------------------------------------------
     def apply(self, dir_key: str, children: list[ObjectInfo], files: bool = True) -> list[ObjectInfo]:
@@ -238,17 +240,42 @@ class DirRecords:
                 attrs = None  # the record could not be read: not known
             else:
                 attrs = _valid(record.entries.get(name), child.version, child.is_dir) or NO_ATTRS
-            out.append(child if attrs is None else replace(child, posix=attrs))
+            out.append(child if attrs is None else child.with_posix(attrs))
         return out
 
-    def _current(self, dir_key: str, listed: ObjectVersion | None) -> _Record | None:
-        """The record at the listed version: the cached one if it is that, else one GET."""
+    def prefetch(self, dir_key: str, listed: ObjectVersion | None) -> None:
+        """A listing page showed the record at ``listed``: if that is not the cached one, start
+        its GET now, on a thread of its own, so it travels (and is decoded) while the later
+        pages of the listing come; :meth:`apply` then takes its result. The same one GET as
+        without, only sooner."""
         with self._lock:
             cached = self._records.get(dir_key)
+            if (cached is not None and listed is not None and cached.version == listed) or dir_key in self._reading:
+                return
+            future: Future[_Record] = Future()
+            self._reading[dir_key] = future
+        threading.Thread(target=self._read_into, args=(dir_key, future), name="record-get", daemon=True).start()
+
+    def _read_into(self, dir_key: str, future: Future[_Record]) -> None:
+        try:
+            future.set_result(self._read(dir_key))
+        except BaseException as exc:  # noqa: BLE001 - handed to apply(), which logs it
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                if self._reading.get(dir_key) is future:
+                    del self._reading[dir_key]
+
+    def _current(self, dir_key: str, listed: ObjectVersion | None) -> _Record | None:
+        """The record at the listed version: the cached one if it is that, else one GET (the
+        one :meth:`prefetch` started, if it did)."""
+        with self._lock:
+            cached = self._records.get(dir_key)
+            future = self._reading.get(dir_key)
         if cached is not None and listed is not None and cached.version == listed:
             return cached
         try:
-            return self._read(dir_key)
+            return future.result() if future is not None else self._read(dir_key)
         except Exception as exc:  # noqa: BLE001 - the listing must not fail because of its record
             log.warning("cannot read directory record of %r: %s", dir_key, exc)
             return None

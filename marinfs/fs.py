@@ -242,11 +242,7 @@ class Filesystem:
             # from the pending set by now, but cached: look again before listing it twice.
             children = self.listings.wait(key) or self.metadata.get_listing(key)
         if children is None:
-            token = self.metadata.begin_listing(key)
-            try:
-                children = self.remote.list(key)
-            finally:
-                self.metadata.end_listing(key, token, children)
+            children = self._list_now(key)
         if self.listings is not None:
             self.listings.walked_into(key)
         names = {posixpath.basename(c.name) for c in children}
@@ -257,6 +253,17 @@ class Filesystem:
             if name not in names:
                 children.append(self._staged_info(staged))
         return [self._present(c) for c in children]
+
+    def _list_now(self, key: str) -> list[ObjectInfo]:
+        """One listing of ``key`` from the remote, cached under a listing token (a change made
+        meanwhile keeps the stale answer out of the cache)."""
+        token = self.metadata.begin_listing(key)
+        children = None
+        try:
+            children = self.remote.list(key)
+        finally:
+            self.metadata.end_listing(key, token, children)
+        return children
 
     def statfs(self) -> dict[str, int]:
         # Object stores have no capacity; report a large, stable figure so df and cp proceed.
@@ -336,11 +343,7 @@ class Filesystem:
         parent = posixpath.dirname(key)
         children = self.metadata.get_listing(parent)
         if children is None:
-            token = self.metadata.begin_listing(parent)
-            try:
-                children = self.remote.list(parent)
-            finally:
-                self.metadata.end_listing(parent, token, children)
+            children = self._list_now(parent)
         found = next((c for c in children if c.name == key), None)
         return found.posix if found is not None and found.posix is not None else NO_ATTRS
 
@@ -741,24 +744,32 @@ class Filesystem:
             self.release(fh)
 
     def read(self, fh: int, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` as ``bytes`` (see read_into)."""
+        view = memoryview(bytearray(max(0, size)))
+        return view[:self.read_into(fh, view, offset)].tobytes()
+
+    def read_into(self, fh: int, dest: memoryview, offset: int) -> int:
+        """Fill ``dest`` (writable bytes: the FUSE reply buffer) with the file's bytes at
+        ``offset``, no more than it has there; answers how many. The bytes are copied once, from
+        a chunk in memory or read from a cached chunk or a staging file straight into ``dest``."""
         handle = self._handle(fh)
         staged = handle.staged
         if staged is None:
             other = self._staged.get(handle.key)  # another handle's uncommitted writes
             staged = other if other is not None and other.dirty else None
         if staged is not None:
-            return staged.read(size, offset)
+            return staged.read_into(dest, offset)
         try:
-            data = self._reader(handle).read(size, offset)
+            n = self._reader(handle).read_into(dest, offset)
         except StaleVersionError:
             if handle.served:
                 raise  # never mix versions within one handle: ESTALE
             # Nothing served yet: the stat we opened with was stale. Open the new version.
             self.metadata.invalidate(handle.key)
             handle.info, handle.reader = self.lookup(handle.key), None
-            data = self._reader(handle).read(size, offset)
+            n = self._reader(handle).read_into(dest, offset)
         handle.served = True  # only bytes actually returned pin the handle to its version
-        return data
+        return n
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
@@ -855,7 +866,7 @@ class Filesystem:
         if own is not None and own[0] == info.version and own[1] != info.mtime_ns:
             info = replace(info, mtime_ns=own[1])
         if self._native is not None and info.posix is not None and not info.link:
-            info = replace(info, posix=self._as_mounted(info.posix, info.is_dir))
+            info = info.with_posix(self._as_mounted(info.posix, info.is_dir))
         return info
 
     def _as_mounted(self, posix: PosixAttrs, is_dir: bool) -> PosixAttrs:

@@ -2,7 +2,9 @@
 
 Each operation unpacks its arguments, calls :class:`marinfs.fs.Filesystem`, and packs the
 result. One decorator maps every exception to an errno through the table in errors.py; the
-binding would otherwise answer EINVAL for anything that is not an OSError.
+binding would otherwise answer EINVAL for anything that is not an OSError. Reads are the one
+op that does not return its result: the filesystem writes it into libfuse's reply buffer
+(``_Fuse.read``), so no ``bytes`` is made and copied again per read.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ KERNEL_XATTR_PREFIXES = (b"security.", b"system.", b"trusted.")  # see _Fuse.get
 UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # a timespec's tv_nsec in utimensat(2)
 
 
-def _errors(method: F) -> F:
-    """Turn any exception into FuseOSError(errno); unknown ones are EIO and logged in full."""
+def _errors(method: F, op: str | None = None) -> F:
+    """Turn any exception into FuseOSError(errno); unknown ones are EIO and logged in full.
+    ``op``: the operation's name in logs and metrics, if not the method's."""
 
-    name = method.__name__
+    name = op or method.__name__
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -53,11 +56,11 @@ def _errors(method: F) -> F:
         except Exception as exc:  # noqa: BLE001 - this is the one place errors become errno
             code = errno_for(exc)
             if isinstance(exc, RemoteError):  # already classified and retried: one line
-                log.error("%s%s failed: %s", method.__name__, args[1:2], exc)
+                log.error("%s%s failed: %s", name, args[1:2], exc)
             elif code == errno.EIO:  # unexpected: keep the traceback for the bug report
-                log.error("%s%s failed: %s", method.__name__, args[1:2], exc, exc_info=True)
+                log.error("%s%s failed: %s", name, args[1:2], exc, exc_info=True)
             elif code not in (errno.ENOENT, errno.ENODATA):  # ENODATA: every write asks for xattrs
-                log.debug("%s%s -> %s", method.__name__, args[1:2], errno.errorcode.get(code, code))
+                log.debug("%s%s -> %s", name, args[1:2], errno.errorcode.get(code, code))
             raise fuse.FuseOSError(code) from None
         finally:
             if metrics is not None:
@@ -186,6 +189,12 @@ class FuseAdapter(fuse.Operations):
     @_errors
     def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
         return self.fs.read(fi.fh, size, offset)
+
+    def read_into(self, path: str | None, dest: memoryview, offset: int, fi: Any) -> int:
+        """What _Fuse.read calls: the reply written straight into libfuse's buffer ``dest``."""
+        return self.fs.read_into(fi.fh, dest, offset)
+
+    read_into = _errors(read_into, op="read")  # the read it serves, in logs and metrics
 
     @_errors
     def write(self, path: str, data: bytes, offset: int, fi: Any) -> int:
@@ -338,6 +347,16 @@ class _Fuse(fuse.FUSE):
             if filler(buf, name.encode(self.encoding, self.errors), st, index + 1, fill) != 0:
                 break  # the kernel's buffer is full; it asks again from this entry's offset
         return 0
+
+    def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+        """The binding's read takes ``bytes`` from the adapter and copies them into libfuse's
+        buffer; here the filesystem fills that buffer itself (``buf``: a ``c_byte`` pointer to
+        ``size`` writable bytes, valid until this returns), so a reply costs one copy and no
+        allocation."""
+        if size <= 0:
+            return 0
+        dest = memoryview((ctypes.c_ubyte * size).from_address(ctypes.addressof(buf.contents))).cast("B")
+        return self.operations.read_into(self._decoded(path), dest, offset, fip.contents)
 
     def getxattr(self, path: bytes, name: bytes, value: Any, size: int, *args: Any) -> int:
         """The kernel's own namespaces hold nothing here: ENODATA at once, without the adapter,

@@ -25,9 +25,13 @@ class Metrics:
         self.op_errors = Counter("marinfs_fuse_op_errors", "FUSE operations that failed", ["op", "errno"],
                                  registry=self.registry)
         self.registry.register(_LayerCollector(fs))
+        self._op_seconds: dict[str, Any] = {}  # op -> its histogram: labels() costs more than observe()
 
     def observe(self, op: str, seconds: float, code: int) -> None:
-        self.op_seconds.labels(op).observe(seconds)
+        child = self._op_seconds.get(op)
+        if child is None:
+            child = self._op_seconds[op] = self.op_seconds.labels(op)
+        child.observe(seconds)
         if code and not (op == "getattr" and code == _errno.ENOENT):
             self.op_errors.labels(op, _errno.errorcode.get(code, str(code))).inc()
 

@@ -132,6 +132,14 @@ class ObjectInfo:
     # nothing is set (the mount's defaults show).
     posix: PosixAttrs | None = None
 
+    def with_posix(self, posix: PosixAttrs | None) -> ObjectInfo:
+        """This answer with ``posix`` in place: ``dataclasses.replace`` without its per-call
+        field walk, which a listing of 2,000 entries paid 2,000 times (about 5 µs each)."""
+        new = object.__new__(ObjectInfo)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["posix"] = posix
+        return new
+
 
 @dataclass(frozen=True)
 class PosixAttrs:

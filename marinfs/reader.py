@@ -25,6 +25,10 @@ budget has room (least recently used go first), and chunks still queued for the 
 readable from memory until they are on disk. Beyond the budget: the chunks being fetched on
 demand (one per reading thread) and the background sweep's fetches (half the workers).
 
+Reads fill the caller's buffer (``read_into``: for FUSE, libfuse's reply buffer): one copy from
+a chunk in memory, or one ``preadv`` of a cached chunk's file straight into it; ``read`` is
+``read_into`` a new buffer, for callers that want ``bytes``.
+
 Where the remote can read into a buffer it is given (``fetch_into``: S3 reads the body from the
 socket), a chunk is fetched into a page-aligned buffer from the fetcher's pool (buffers.py; a
 split fetch's GETs each into their slice of it): the disk cache writes it with O_DIRECT from
@@ -53,14 +57,6 @@ log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, int, int, Any], Any]  # (key, start, end, version) -> bytes or any buffer
 FetchInto = Callable[[str, int, int, Any, memoryview], None]  # the same bytes, into the buffer given
-
-
-def _piece(data: Any, offset: int, size: int) -> bytes:
-    """``size`` bytes at ``offset`` of a chunk as ``bytes`` (what FUSE replies are made of): one
-    copy, whether the chunk is a ``bytes`` or a buffer the remote handed over without a copy."""
-    if isinstance(data, bytes):
-        return data[offset:offset + size]
-    return memoryview(data)[offset:offset + size].tobytes()
 
 
 @dataclass(eq=False)
@@ -125,10 +121,19 @@ class ChunkFetcher:
         return max(0, min(obj.size, start + self.chunk_size) - start)
 
     def read(self, obj: ObjectRef, index: int, offset: int, size: int, split: bool = True) -> bytes:
-        """``size`` bytes at ``offset`` within chunk ``index`` (blocking). The chunk is held in
-        memory for the reader until all of it was read (or the reader releases it). A chunk
-        nobody fetched yet is fetched in this thread, as ``split`` sub-ranges if asked (a first
-        read or a seek: one GET per chunk otherwise, as readahead would have fetched it)."""
+        """``size`` bytes at ``offset`` within chunk ``index`` as ``bytes`` (see read_into)."""
+        buf = bytearray(size)
+        self.read_into(obj, index, offset, memoryview(buf), split)
+        return bytes(buf)
+
+    def read_into(self, obj: ObjectRef, index: int, offset: int, dest: memoryview, split: bool = True) -> None:
+        """Fill ``dest`` (writable bytes, within the chunk) with chunk ``index``'s bytes from
+        ``offset`` on (blocking): one copy from the chunk in memory, or one read from its disk
+        file, into ``dest``. The chunk is held in memory for the reader until all of it was read
+        (or the reader releases it). A chunk nobody fetched yet is fetched in this thread, as
+        ``split`` sub-ranges if asked (a first read or a seek: one GET per chunk otherwise, as
+        readahead would have fetched it)."""
+        size = len(dest)
         ck = self.chunk_key(obj, index)
         with self._lock:
             entry = self._chunks.get(ck)
@@ -141,13 +146,12 @@ class ChunkFetcher:
                 if future is None:
                     self._hold.add(ck)  # a demand fetch is held for its reader too
         if data is not None:
-            return _piece(data, offset, size)
-        if future is None and self.cache is not None:
-            cached = self.cache.read(ck, offset, size)
-            if cached is not None:
-                with self._lock:
-                    self._hold.discard(ck)
-                return cached
+            dest[:] = memoryview(data)[offset:offset + size]
+            return
+        if future is None and self.cache is not None and self.cache.read_into(ck, dest, offset):
+            with self._lock:
+                self._hold.discard(ck)
+            return
         if future is None:
             future, owner = self._claim(ck)
             if owner:
@@ -162,7 +166,7 @@ class ChunkFetcher:
             entry = self._chunks.get(ck)
             if entry is not None and entry.data is data:
                 self._served_locked(ck, entry, size)
-        return _piece(data, offset, size)
+        dest[:] = memoryview(data)[offset:offset + size]
 
     def _served_locked(self, ck: ChunkKey, entry: _Held, size: int) -> None:
         self._chunks.move_to_end(ck)
@@ -410,9 +414,20 @@ class ObjectReader:
         self.closed = False
 
     def read(self, size: int, offset: int) -> bytes:
-        obj, cs = self.obj, self._fetcher.chunk_size
-        if offset >= obj.size or size <= 0:
+        """Up to ``size`` bytes at ``offset`` as ``bytes`` (see read_into)."""
+        if offset >= self.obj.size or size <= 0:
             return b""
+        buf = bytearray(min(size, self.obj.size - offset))
+        self.read_into(memoryview(buf), offset)
+        return bytes(buf)
+
+    def read_into(self, dest: memoryview, offset: int) -> int:
+        """Fill ``dest`` (writable bytes) from ``offset`` on, up to the end of the object, each
+        chunk it spans in turn; answers how many bytes were filled."""
+        obj, cs = self.obj, self._fetcher.chunk_size
+        size = len(dest)
+        if offset >= obj.size or size <= 0:
+            return 0
         end = min(offset + size, obj.size)
         first, last = offset // cs, (end - 1) // cs
         released: set[int] = set()
@@ -447,14 +462,18 @@ class ObjectReader:
             for _ in range(max(1, self._fetcher.workers // 2)):
                 self._sweep_on()
         split = fresh  # mid-stream, a chunk the budget did not let us fetch ahead: one GET
+        n = end - offset
         if first == last:
-            return self._fetcher.read(obj, first, offset - first * cs, end - offset, split)
-        parts = []
+            self._fetcher.read_into(obj, first, offset - first * cs, dest[:n] if n < size else dest, split)
+            return n
+        pos = 0
         for index in range(first, last + 1):
             lo = max(offset, index * cs) - index * cs
             hi = min(end, (index + 1) * cs) - index * cs
-            parts.append(self._fetcher.read(obj, index, lo, hi - lo, split))
-        return b"".join(parts)
+            self._fetcher.read_into(obj, index, lo, dest[pos:pos + hi - lo], split)
+            pos += hi - lo
+        return n
+
     def _dense(self, first: int, last: int, random: bool) -> bool:
         """Count the chunks random reads touched; True once, when the sweep should start."""
         if self._dense_at is None or self._sweep is not None or not random:

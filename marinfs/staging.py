@@ -143,9 +143,15 @@ class StagedFile:
             return os.fstat(self.fd).st_size if self.seeded else self.base_size
 
     def read(self, size: int, offset: int) -> bytes:
+        view = memoryview(bytearray(size))
+        return view[:self.read_into(view, offset)].tobytes()
+
+    def read_into(self, dest: memoryview, offset: int) -> int:
+        """Fill ``dest`` from the staging file at ``offset`` (read straight into it); answers how
+        many bytes it holds there (fewer at its end)."""
         with self.lock:
             self._ensure_seeded()
-            return os.pread(self.fd, size, offset)
+            return os.preadv(self.fd, [dest], offset)
 
     def write(self, data: bytes, offset: int | None) -> int:
         """Write at ``offset``; ``None`` appends at the current end (O_APPEND)."""

@@ -383,6 +383,22 @@ def test_fs_append_and_rdwr_read_after_write(fs: Filesystem, remote: Remote) -> 
     assert cat(remote, "f") == b"abXYef"
 
 
+def test_fs_read_into_fills_a_view_from_the_object_or_the_staged_file(fs: Filesystem, remote: Remote) -> None:
+    """read_into (what FUSE replies are made of) fills the caller's buffer and no more: from the
+    object, from this handle's staged file, from another handle's staged bytes; short at EOF."""
+    put(remote, "f", b"abcdef")
+    reader = fs.open("/f", os.O_RDONLY)
+    buf = bytearray(b"." * 8)
+    assert fs.read_into(reader, memoryview(buf)[1:5], 1) == 4 and buf == b".bcde..."
+    writer = fs.open("/f", RW)
+    fs.write(writer, b"XY", 4)
+    assert fs.read_into(writer, memoryview(buf)[2:6], 3) == 3 and buf == b".bdXY..."  # its own staged file
+    assert fs.read_into(reader, memoryview(buf), 0) == 6 and buf == b"abcdXY.."  # another's staged bytes
+    assert fs.read_into(reader, memoryview(buf), 6) == 0 and buf == b"abcdXY.."
+    close(fs, writer)
+    close(fs, reader)
+
+
 def test_fs_truncate_by_path_and_handle(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f", b"abcdef")
     fs.truncate("/f", 2)

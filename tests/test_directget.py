@@ -558,6 +558,34 @@ def test_a_key_obstore_cannot_parse_is_read_through_the_other_path(s3_server: An
         remote.close()
 
 
+def test_warm_builds_the_signing_client_and_the_store_without_a_request(
+        s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a fresh mount's first listing and first read used to build on the way (about 0.3 s
+    of botocore) is built by warm(), which sends nothing and never raises."""
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options())
+    try:
+        assert not remote._presigner._clients and not remote._obstore._stores
+        remote.stats.reset()
+        remote.warm()
+        assert remote._presigner._clients.get(s3_server.bucket) is not None
+        assert remote._obstore._stores.get(s3_server.bucket) is not None
+        assert remote.stats.snapshot()["requests"] == {}
+    finally:
+        remote.close()
+    broken = Remote(url, s3_server.storage_options())
+    try:
+        def fail(bucket: str) -> Any:
+            raise RuntimeError("no store today")
+
+        monkeypatch.setattr(broken._obstore, "_build", fail)
+        broken.warm()  # logged at debug, built (or failing) on first use instead
+        broken.fs.pipe_file(broken.full("obj"), b"still readable")
+        assert broken.read_range("obj", 0, 14, broken.stat("obj").version) == b"still readable"
+    finally:
+        broken.close()
+
+
 def test_get_into_reads_the_body_into_the_buffer_and_maps_every_answer(server: str) -> None:
     """``get_into``: the ranged body lands in the caller's buffer; a cut-short body answers the
     bytes that came (or a transient error), a 412 is StaleVersionError, a 200 of the whole

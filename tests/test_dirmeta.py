@@ -164,6 +164,55 @@ def test_apply_reads_the_record_once_per_version(store: FakeStore, records: DirR
     assert store.counts["get"] == 2
 
 
+class SlowStore(FakeStore):
+    """Its GETs wait until released, and say when they began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began, self.go = threading.Event(), threading.Event()
+
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        self.began.set()
+        assert self.go.wait(10)
+        return super().read_small(key)
+
+
+def test_prefetch_sends_the_one_get_before_apply_needs_it() -> None:
+    store = SlowStore()
+    records = DirRecords(store, flush_delay=3600)
+    try:
+        store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE)}))
+        listing = files("d", store, a=1, b=2)
+        records.prefetch("d", store.version("d/" + RECORD_NAME))  # the page with the record landed
+        records.prefetch("d", store.version("d/" + RECORD_NAME))  # a second page: still one GET
+        assert store.began.wait(5)  # under way while the later pages would still be coming
+        store.go.set()
+        assert by_name(records.apply("d", listing)) == {"a": MODE, "b": NO_ATTRS}
+        assert store.counts["get"] == 1
+        records.prefetch("d", store.version("d/" + RECORD_NAME))  # the cached version: nothing
+        assert by_name(records.apply("d", listing)) == {"a": MODE, "b": NO_ATTRS}
+        assert store.counts["get"] == 1
+    finally:
+        store.go.set()
+        records.close(timeout=5)
+
+
+def test_a_prefetch_that_failed_leaves_the_listing_working(store: FakeStore, records: DirRecords,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE)}))
+    broken = RemoteError("get failed after its retries")
+
+    def fail(key: str) -> tuple[bytes, ObjectVersion]:
+        raise broken
+
+    store.read_small = fail  # type: ignore[method-assign]
+    records.prefetch("d", store.version("d/" + RECORD_NAME))
+    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+        shown = by_name(records.apply("d", files("d", store, a=1)))
+    assert shown == {"a": None}  # not known, as an unreadable record always shows
+    assert "cannot read directory record" in caplog.text
+
+
 def test_an_entry_of_other_bytes_is_not_applied(store: FakeStore, records: DirRecords) -> None:
     store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", MODE), "b": ("g2", MODE)}))
     shown = by_name(records.apply("d", files("d", store, a=1, b=9)))  # b rewritten by another tool
@@ -505,7 +554,12 @@ def test_a_listing_costs_its_lists_and_one_get(backend: tuple[Remote, Peer], tmp
 
     node = peer.node()  # another mount: nothing cached
     try:
+        prefetched = []
+        prefetch = node.records.prefetch
+        node.records.prefetch = lambda d, ver: (prefetched.append((d, ver)), prefetch(d, ver))  # type: ignore[method-assign]
         listing = node.list("d")
+        # The page that held the record started its GET (before the later pages came).
+        assert [d for d, _ in prefetched] == ["d"], prefetched
         counts = _counts(node)
         assert counts.get("head", 0) == 0 and counts.get("get") == 1, counts
         assert counts.get("list", 0) >= 1 and set(counts) <= {"list", "get"}, counts

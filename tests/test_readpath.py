@@ -393,6 +393,97 @@ def test_readahead_of_many_readers_shares_one_memory_budget() -> None:
     solo.close()
 
 
+# -- reads into the caller's buffer (what FUSE replies are made of) ------------------------------
+
+
+def guarded(size: int, pad: int = 64) -> tuple[bytearray, memoryview]:
+    """A buffer of ``size`` bytes between two guard bands, as a writable view of it."""
+    buf = bytearray(b"\xaa" * (size + 2 * pad))
+    return buf, memoryview(buf)[pad:pad + size]
+
+
+def untouched_guards(buf: bytearray, size: int, pad: int = 64) -> bool:
+    return buf[:pad] == b"\xaa" * pad and buf[pad + size:] == b"\xaa" * pad
+
+
+def test_read_into_fills_a_view_across_chunks_from_memory_then_from_disk(tmp_path: Path) -> None:
+    fetch = RecordingFetch(DATA)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB, lock=False), chunk_size=MiB)
+    size, offset = 3 * MiB + 20, MiB - 10  # spans chunks 0 to 4
+    buf, view = guarded(size)
+    assert ObjectReader(ref(), fetcher).read_into(view, offset) == size
+    assert view == DATA[offset:offset + size] and untouched_guards(buf, size)
+    assert fetcher.settle()
+    fetcher.drop_memory()  # only the disk cache is left
+    before = len(fetch.calls)
+    buf, view = guarded(size)
+    assert ObjectReader(ref(), fetcher).read_into(view, offset) == size
+    assert view == DATA[offset:offset + size] and untouched_guards(buf, size)
+    assert fetch.calls[before:] == [] or all(s >= 5 * MiB for s, _ in fetch.calls[before:])  # readahead only
+    fetcher.close()
+
+
+def test_read_into_stops_at_the_end_of_the_object_and_leaves_the_rest() -> None:
+    fetcher = ChunkFetcher(RecordingFetch(DATA), None, chunk_size=MiB)
+    reader = ObjectReader(ref(), fetcher)
+    buf, view = guarded(100)
+    assert reader.read_into(view, len(DATA) - 7) == 7
+    assert view[:7] == DATA[-7:] and view[7:] == b"\xaa" * 93 and untouched_guards(buf, 100)
+    assert reader.read_into(view, len(DATA)) == 0 and reader.read_into(view[:0], 0) == 0
+    fetcher.close()
+
+
+def test_read_into_a_ctypes_buffer_like_libfuses() -> None:
+    """FUSE hands a C buffer; the view of it (see _Fuse.read) must take memoryview slices."""
+    import ctypes
+
+    size = 2 * MiB
+    raw = (ctypes.c_byte * size)()
+    pointer = ctypes.cast(raw, ctypes.POINTER(ctypes.c_byte))
+    view = memoryview((ctypes.c_ubyte * size).from_address(ctypes.addressof(pointer.contents))).cast("B")
+    fetcher = ChunkFetcher(RecordingFetch(DATA), None, chunk_size=MiB)
+    assert ObjectReader(ref(), fetcher).read_into(view, 5) == size
+    assert bytes(raw) == DATA[5:5 + size]
+    fetcher.close()
+
+
+def test_corrupt_or_cut_chunks_are_never_served_into_a_view(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, MiB)
+    cache.put(key(1), b"hello world")
+    cache.put(key(2), b"second chunk")
+    cache.close()
+    (path,) = (p for p in tmp_path.glob("chunks/*/*-1-*"))
+    path.write_bytes(b"hellO world")  # a flipped byte: found by the first read's checksum
+    restarted = ChunkCache(tmp_path, MiB)
+    buf, view = guarded(5)
+    assert not restarted.read_into(key(1), view, 6)
+    assert restarted.stats.corrupt == 1 and not path.exists()
+    view[:] = b"zzzzz"
+    assert restarted.read_into(key(2), view, 0) and view == b"secon"  # verified, then read
+    (cut,) = (p for p in tmp_path.glob("chunks/*/*-2-*"))
+    with open(cut, "r+b") as f:
+        f.truncate(3)  # cut short after it was verified: a miss, never a short read
+    assert not restarted.read_into(key(2), view, 0)
+    assert restarted.stats.corrupt == 2 and not cut.exists() and untouched_guards(buf, 5)
+    restarted.check_invariants()
+
+
+def test_a_corrupt_cached_chunk_is_fetched_again_by_read_into(tmp_path: Path) -> None:
+    fetcher = ChunkFetcher(RecordingFetch(DATA), ChunkCache(tmp_path, 64 * MiB, lock=False), chunk_size=MiB)
+    ObjectReader(ref(), fetcher).read(MiB, 0)
+    fetcher.close()
+    for path in tmp_path.glob("chunks/*/*-0-*"):
+        data = bytearray(path.read_bytes())
+        data[100] ^= 1
+        path.write_bytes(bytes(data))
+    fetch = RecordingFetch(DATA)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB, lock=False), chunk_size=MiB)
+    view = memoryview(bytearray(MiB))
+    assert ObjectReader(ref(), fetcher).read_into(view, 0) == MiB and view == DATA[:MiB]
+    assert (0, MiB) in fetch.calls and fetcher.cache.stats.corrupt == 1
+    fetcher.close()
+
+
 class IntoFetch(RecordingFetch):
     """A remote that reads into the buffer it is given (``fetch_into``), as S3 over urllib3 does."""
 

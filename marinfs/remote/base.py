@@ -43,6 +43,7 @@ TMP_PREFIX = ".marinfs-tmp-"
 LINK_SUFFIX = ".rclonelink"
 
 T = TypeVar("T")
+OnPage = Callable[[list[dict[str, Any]]], None]  # sees one page of raw listing entries
 MiB = 1 << 20
 NAME_MAX = 255
 
@@ -328,6 +329,11 @@ class Remote:
     def _check(self) -> None:
         """Nothing to probe on a generic backend: its first request tells."""
 
+    def warm(self) -> None:
+        """Build what the first requests would otherwise build on the way (clients, signers):
+        called once in the background as the mount starts, so a user's first ``ls`` does not
+        wait for it. Never raises: whatever fails here is built, or fails, on first use."""
+
     # -- metadata ------------------------------------------------------------------------------
     def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         """The object or directory at ``key``; FileNotFoundError when neither exists.
@@ -365,14 +371,19 @@ class Remote:
             return None
         return replace(self._info_of(raw, key), link=True)
 
-    def _list_entries(self, full: str) -> list[dict[str, Any]]:
-        """The fsspec entries of one delimited listing of ``full``."""
-        return self._call("list", self.fs.ls, full, detail=True)
+    def _list_entries(self, full: str, on_page: OnPage | None = None) -> list[dict[str, Any]]:
+        """The fsspec entries of one delimited listing of ``full``; ``on_page`` sees them as
+        they land, page by page where the backend pages (else once, all of them)."""
+        entries = self._call("list", self.fs.ls, full, detail=True)
+        if on_page is not None:
+            on_page(entries)
+        return entries
 
-    def list(self, key: str) -> list[ObjectInfo]:
-        """The direct children of directory ``key`` (one delimited listing, never recursive)."""
+    def list(self, key: str, on_page: OnPage | None = None) -> list[ObjectInfo]:
+        """The direct children of directory ``key`` (one delimited listing, never recursive).
+        ``on_page`` sees the raw entries of each page as it lands (see ``_list_entries``)."""
         full = self.full(key)
-        entries = self._list_entries(full)
+        entries = self._list_entries(full, on_page)
         result: dict[str, ObjectInfo] = {}
         links: dict[str, ObjectInfo] = {}
         for raw in entries:
@@ -400,7 +411,7 @@ class Remote:
         if not entries and key:
             self._confirm_dir(key)
         if not self.lists_posix:  # what the entries carried is not the whole truth here
-            return [replace(info, posix=None) if info.posix is not None else info for info in result.values()]
+            return [info.with_posix(None) if info.posix is not None else info for info in result.values()]
         return list(result.values())
 
     def _link_info(self, raw: dict[str, Any], key: str) -> ObjectInfo:

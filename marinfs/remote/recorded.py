@@ -79,9 +79,22 @@ class Recorded:
             self.records.set_key(key, version, attrs)
 
     # -- wrapped ---------------------------------------------------------------------------------
-    def list(self, key: str) -> list[ObjectInfo]:
-        """The listing with the record applied (one GET when it changed) and hidden."""
-        return self.records.apply(key, super().list(key), files=not self.lists_posix)  # type: ignore[misc]
+    def list(self, key: str, on_page: Any = None) -> list[ObjectInfo]:
+        """The listing with the record applied (one GET when it changed) and hidden. The GET
+        starts as soon as the page that holds the record has landed (it sorts early: ``.``),
+        while the listing's later pages still come."""
+        records = self.records
+        wanted = self.full(record_key(key))  # type: ignore[attr-defined]
+
+        def page(entries: list[dict[str, Any]]) -> None:
+            for raw in entries:
+                if raw.get("type") != "directory" and raw["name"].rstrip("/") == wanted:
+                    records.prefetch(key, self._info_of(raw, record_key(key)).version)  # type: ignore[attr-defined]
+                    break
+            if on_page is not None:
+                on_page(entries)
+
+        return records.apply(key, super().list(key, page), files=not self.lists_posix)  # type: ignore[misc]
 
     def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         if is_record(key):

@@ -26,7 +26,7 @@ import fsspec.asyn
 from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
-from marinfs.remote.base import MiB, TruncatedResponse, _exactly, _one_line, _run
+from marinfs.remote.base import MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import Presigner, S3Http
@@ -125,6 +125,18 @@ class S3Remote(Recorded, ObjectStoreRemote):
             log.debug("%s: reads without obstore: %s", self.url, why)
             return None
 
+    def warm(self) -> None:
+        """The presigning botocore client (about 0.3 s of botocore loading its service model,
+        which landed on a fresh mount's first listing) and obstore's store for the bucket."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if self._direct is not None:
+                self._presigner.listing({"Bucket": bucket, "Prefix": "", "Delimiter": "/"})
+            if self._obstore is not None:
+                self._obstore.store(bucket)
+        except Exception as exc:  # noqa: BLE001 - built (or failing) on first use instead
+            log.debug("%s: warming the clients: %s", self.url, exc)
+
     def close(self) -> None:
         super().close()
         if self._direct is not None:
@@ -197,16 +209,16 @@ class S3Remote(Recorded, ObjectStoreRemote):
                               MaxKeys=1)
         return bool(out.get("Contents") or out.get("CommonPrefixes"))
 
-    def _list_entries(self, full: str) -> list[dict[str, Any]]:
+    def _list_entries(self, full: str, on_page: OnPage | None = None) -> list[dict[str, Any]]:
         sdk = super()._list_entries
         if self._direct is None:
-            return sdk(full)
+            return sdk(full, on_page)
         bucket, path, _ = self.fs.split_path(full)
         direct = self._direct
         return self._direct_first(
             "list", lambda: self._call("list", direct.list, bucket, path.rstrip("/") + "/" if path else "",
-                                       self._presign_list),
-            lambda: sdk(full))
+                                       self._presign_list, on_page),
+            lambda: sdk(full, on_page))
 
     def _presign_list(self, params: dict[str, str]) -> str:
         return self._presigner.listing(params)
@@ -232,16 +244,6 @@ class S3Remote(Recorded, ObjectStoreRemote):
             return today()
         return self._obstore_first(full, lambda: self._call("get", _exactly(want, self._get_obstore),
                                                             full, start, end, etag), today)
-
-    def _check(self) -> None:
-        """Build the signing client for the bucket in the background (tens of ms of botocore
-        setup), so the mount's first reads do not wait for it; a failure is only logged, and
-        the first request builds it (or signs through s3fs) as before."""
-        super()._check()
-        if self._direct is not None:
-            bucket = self.fs.split_path(self.full(""))[0]
-            threading.Thread(target=self._presigner._client, args=(bucket,), name="presign-warm",
-                             daemon=True).start()
 
     def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
         """A pinned chunk fetch read straight from the socket into ``buf`` (s3http.py's

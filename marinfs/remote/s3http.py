@@ -217,11 +217,13 @@ class S3Http:
             raise OSError(5, f"PUT part {number} of {full}: no ETag in the answer")
         return etag
 
-    def list(self, bucket: str, prefix: str, sign: Callable[[dict[str, str]], str]) -> list[dict[str, Any]]:
+    def list(self, bucket: str, prefix: str, sign: Callable[[dict[str, str]], str],
+             on_page: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
         """Every object and common prefix directly under ``prefix`` (ListObjectsV2, delimiter
         ``/``, all pages), as s3fs's ``ls(detail=True)`` entries. ``sign`` presigns the
-        parameters of one page. Keys come URL-encoded (``encoding-type=url``): XML cannot carry
-        every byte a key may hold."""
+        parameters of one page; ``on_page`` sees each page's entries as it lands (work that
+        needs only one entry starts before the later pages come). Keys come URL-encoded
+        (``encoding-type=url``): XML cannot carry every byte a key may hold."""
         entries: list[dict[str, Any]] = []
         token: str | None = None
         while True:
@@ -233,6 +235,8 @@ class S3Http:
             if self.on_request:
                 self.on_request()
             found, token = parse_listing(resp.data, bucket)
+            if on_page is not None:
+                on_page(found)
             entries += found
             if not token:
                 return entries
