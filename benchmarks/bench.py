@@ -855,7 +855,7 @@ RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]]
     "seq": (w_seq, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse", "local"), ("seq_cold", "seq_warm")),
     "par_read": (w_par_read, ("marinfs", "s3fs-fuse", "obstore"), ("par_read",)),
     "random": (w_random, ("marinfs", "s3fs-fuse", "obstore", "s3fs-py"), ("random",)),
-    "mmap": (w_mmap, ("marinfs", "local"), ("mmap",)),
+    "mmap": (w_mmap, ("marinfs", "s3fs-fuse", "local"), ("mmap",)),
     "safetensors": (w_safetensors, ("marinfs", "local"), ("st_cold", "st_warm")),
     "gcs": (w_gcs, ("marinfs", "gcsfs"), ("gcs_cold",)),
     "write": (w_write, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse"), ("write",)),
