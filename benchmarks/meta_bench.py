@@ -130,16 +130,21 @@ def s3fs_fuse_ls(s3: Any, endpoint: str, prefix: str, tmp: Path, files: int) -> 
         mnt.rmdir()
 
 
+def behind_proxy(endpoint: str, latency_ms: float, log: Path) -> tuple[bench.Proxy | None, str]:
+    """The latency proxy in front of ``endpoint`` (none at 0 ms) and the endpoint to use."""
+    if not latency_ms:
+        return None, endpoint
+    proxy = bench.start_proxy(endpoint, latency_ms, log)
+    return proxy, proxy.endpoint
+
+
 def gcs_ls(a: argparse.Namespace, tmp: Path) -> tuple[str, float, dict[str, int]]:
     """The ``ls -l`` row on fake-gcs-server behind the same latency: GCS listings carry each
     object's metadata, so no record GET for the files."""
     gcs = servers.start_fake_gcs(tmp / "gcs")
     proxy = None
     try:
-        endpoint = gcs.endpoint
-        if a.latency_ms:
-            proxy = bench.start_proxy(gcs.endpoint, a.latency_ms, tmp / "gcs-proxy.log")
-            endpoint = proxy.endpoint
+        proxy, endpoint = behind_proxy(gcs.endpoint, a.latency_ms, tmp / "gcs-proxy.log")
         url = f"gs://{gcs.bucket}/meta-{os.getpid()}"
         with marinfs_mount(url, {**os.environ, **gcs.env()}, tmp, "g-w") as m:
             subprocess.run(["cp", "-a", str(tmp / "lsrc"), str(m.path / "ls")], check=True, timeout=1800)
@@ -165,10 +170,7 @@ def main() -> None:
     s3 = servers.start_seaweedfs(tmp / "weed")
     proxy = None
     try:
-        endpoint = s3.endpoint
-        if a.latency_ms:
-            proxy = bench.start_proxy(s3.endpoint, a.latency_ms, tmp / "proxy.log")
-            endpoint = proxy.endpoint
+        proxy, endpoint = behind_proxy(s3.endpoint, a.latency_ms, tmp / "proxy.log")
         env = {**os.environ, **s3.env(), "AWS_ENDPOINT_URL": endpoint}
         prefix = f"meta-{os.getpid()}"
         url = f"s3://{s3.bucket}/{prefix}"
