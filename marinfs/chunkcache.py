@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import mmap
@@ -102,7 +103,14 @@ class ChunkKey:
 
     @property
     def object_id(self) -> str:
-        return hashlib.sha256(f"{self.url}\0{self.version}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        return _object_id(self.url, str(self.version))
+
+
+@functools.lru_cache(maxsize=4096)
+def _object_id(url: str, version: str) -> str:
+    """A pure function of its arguments, kept: every read of a chunk names it (a SHA-256 and
+    the version's string form cost 5 µs per call, a tenth of a small read's Python)."""
+    return hashlib.sha256(f"{url}\0{version}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 @dataclass

@@ -258,3 +258,31 @@ def test_write_then_read_back_through_the_cache(remote: Remote, tmp_path: Path) 
         drop_page_cache()
         assert read_in_child(tmp_path / "mnt/w.bin") == data
     assert remote.client.cat_file(f"{remote.root}/w.bin") == data
+
+
+def test_a_libfuse_thread_keeps_its_python_state_between_requests(tmp_path: Path) -> None:
+    """Each libfuse worker thread keeps one Python thread state (fuse_ops._Fuse._wrapper):
+    without it every request made and freed a fresh one, and a thread-local set in one request
+    was gone by the next."""
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote/f").write_bytes(os.urandom(64 * 4096))
+    local = threading.local()
+    seen: list[int] = []
+    with inprocess_mount(str(tmp_path / "remote"), tmp_path / "mnt", tmp_path / "cache") as core:
+        real = core.read_into
+
+        def counting(fh: int, dest: memoryview, offset: int) -> int:
+            local.calls = getattr(local, "calls", 0) + 1
+            seen.append(local.calls)
+            return real(fh, dest, offset)
+
+        core.read_into = counting
+        fd = os.open(tmp_path / "mnt/f", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # one request per pread, no readahead
+            for page in range(0, 64, 2):
+                assert len(os.pread(fd, 4096, page * 4096)) == 4096
+        finally:
+            os.close(fd)
+    assert len(seen) >= 32
+    assert max(seen) > 1, "every request ran in a fresh Python thread state"
