@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers"},
     {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta"},
     {"config", "cachecli", "reader", "staging"},
-    {"configfile", "mount_helper", "remote.base", "remote.recorded"},
+    {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore"},
     {"remote.s3", "remote.gcs"},
     {"remote"},
