@@ -1,6 +1,10 @@
 """Google Cloud Storage through gcsfs: versions are generations, commits carry
 ``ifGenerationMatch`` (0: the object must not exist), big files go as resumable uploads.
 
+Chunk fetches (the fetcher's ``read_into``) are the exception: a media GET pinned to the
+generation, sent by us with gcsfs's URL and credentials and read from the socket into the
+chunk's pooled buffer (gcshttp.py), not gcsfs's ``bytes`` copied in.
+
 Symbolic links follow gcsfuse's standard: an empty object named like the link, whose custom
 metadata ``gcsfuse_symlink_target`` is the target. Listings carry each object's metadata, so a
 listing shows links without a request more.
@@ -18,8 +22,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -207,7 +211,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
         credential or proxy setup we do not reproduce must cost speed, never a read. A denial
         gcsfs meets as well is the answer (EACCES)."""
         try:
-            return ours()
+            ours()
         except PermissionError as refused:
             try:
                 gcsfs()
