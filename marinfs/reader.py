@@ -29,8 +29,8 @@ Reads fill the caller's buffer (``read_into``: for FUSE, libfuse's reply buffer)
 a chunk in memory, or one ``preadv`` of a cached chunk's file straight into it; ``read`` is
 ``read_into`` a new buffer, for callers that want ``bytes``.
 
-Where the remote can read into a buffer it is given (``fetch_into``: S3 reads the body from the
-socket), a chunk is fetched into a page-aligned buffer from the fetcher's pool (buffers.py; a
+Where the remote can read into a buffer it is given (``fetch_into``: S3 and GCS read the body
+from the socket), a chunk is fetched into a page-aligned buffer from the fetcher's pool (buffers.py; a
 split fetch's GETs each into their slice of it): the disk cache writes it with O_DIRECT from
 there, readers copy out of it, and it goes back to the pool when the last reference to it is
 gone (the chunk left memory, its disk write finished, no reader copying from it). The pool

@@ -481,7 +481,7 @@ class Remote:
     def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
         """:meth:`read_buffer`'s bytes into ``buf`` (``len(buf) == end - start``, a pooled chunk
         buffer). Here a copy of what the backend answered; backends that can read a body
-        straight into memory (S3 over urllib3) do that instead. Fewer bytes than asked is
+        straight into memory (S3 and GCS over urllib3) do that instead. Fewer bytes than asked is
         EOFError (with a version, already retried as a response cut short)."""
         data = self.read_buffer(key, start, end, version)
         if len(data) != len(buf):

@@ -1,6 +1,10 @@
 """Google Cloud Storage through gcsfs: versions are generations, commits carry
 ``ifGenerationMatch`` (0: the object must not exist), big files go as resumable uploads.
 
+Chunk fetches (the fetcher's ``read_into``) are the exception: a media GET pinned to the
+generation, sent by us with gcsfs's URL and credentials and read from the socket into the
+chunk's pooled buffer (gcshttp.py), not gcsfs's ``bytes`` copied in.
+
 Symbolic links follow gcsfuse's standard: an empty object named like the link, whose custom
 metadata ``gcsfuse_symlink_target`` is the target. Listings carry each object's metadata, so a
 listing shows links without a request more.
@@ -14,9 +18,11 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
@@ -26,10 +32,13 @@ import fsspec.asyn
 from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed, StaleVersionError
 from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
-from marinfs.remote.base import _exactly, _run
+from marinfs.remote.base import TruncatedResponse, _exactly, _one_line, _run
+from marinfs.remote.gcshttp import GCSHttp, usable
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
 from marinfs.uploads import Counter, Runner
+
+log = logging.getLogger(__name__)
 
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
 SYMLINK_METADATA = "gcsfuse_symlink_target"  # gcsfuse's key for a link's target
@@ -47,6 +56,25 @@ class GCSRemote(Recorded, ObjectStoreRemote):
         # full path -> (generation, metageneration, custom metadata, when seen), for set_attrs
         self._seen: dict[str, tuple[str, str, dict[str, str], float]] = {}
         self._seen_lock = threading.Lock()
+        self._direct = self._direct_http()
+        self._direct_refused = False  # set once the server refused our GET but not gcsfs's
+
+    def _direct_http(self) -> GCSHttp | None:
+        """Chunk fetches sent by us, read into the buffer (gcshttp.py), unless
+        MARINFS_DIRECT_GET=0 or gcsfs is configured in a way that path cannot reproduce."""
+        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0":
+            return None
+        why = usable(self.fs)
+        if why is not None:
+            log.info("%s: chunk fetches through gcsfs: %s", self.url, why)
+            return None
+        return GCSHttp(self.fs, connect_timeout=self.settings.connect_timeout,
+                       read_timeout=self.settings.read_timeout)
+
+    def close(self) -> None:
+        super().close()
+        if self._direct is not None:
+            self._direct.close()
 
     def _prepare_environment(self) -> None:
         if os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -147,6 +175,54 @@ class GCSRemote(Recorded, ObjectStoreRemote):
                               self.full(key), start=start, end=end, generation=version.value)
         except FileNotFoundError:  # that generation is gone
             raise StaleVersionError(f"{self.url}: {key} is no longer generation {version.value}") from None
+
+    def read_into(self, key: str, start: int, end: int, version: ObjectVersion | None, buf: memoryview) -> None:
+        """A pinned chunk fetch read straight from the socket into ``buf`` (gcshttp.py: no
+        intermediate ``bytes``), with every rule of :meth:`_read`: the generation pinned (404:
+        ESTALE), the one retry loop (a body cut short is retried), a refusal (401/403) that
+        gcsfs does not meet sends this and every later fetch through gcsfs."""
+        if version is None or version.kind != "generation" or self._direct is None or self._direct_refused:
+            return super().read_into(key, start, end, version, buf)
+        if start >= end:
+            return
+        full, want = self.full(key), end - start
+
+        def ours() -> None:
+            self._call("get", self._get_direct_into, full, start, end, version.value, buf)
+
+        def gcsfs() -> None:
+            buf[:] = self._read(key, start, end, version, want)
+
+        try:
+            self._direct_first(ours, gcsfs)
+        except FileNotFoundError:  # that generation is gone
+            raise StaleVersionError(f"{self.url}: {key} is no longer generation {version.value}") from None
+        self.stats.add_bytes(bytes_in=want)
+
+    def _get_direct_into(self, full: str, start: int, end: int, generation: str, buf: memoryview) -> None:
+        assert self._direct is not None
+        self.stats.add("get")  # not seen by the gcsfs hook (_instrument): counted here
+        n = self._direct.get_into(full, start, end, generation, buf)
+        if n != len(buf):
+            raise TruncatedResponse(f"short read of {full}: {n} of {len(buf)} bytes at {start}")
+
+    def _direct_first(self, ours: Callable[[], None], gcsfs: Callable[[], None]) -> None:
+        """Our GET, or gcsfs's once a server refused ours (401/403) where gcsfs's passes: a
+        credential or proxy setup we do not reproduce must cost speed, never a read. A denial
+        gcsfs meets as well is the answer (EACCES)."""
+        try:
+            ours()
+        except PermissionError as refused:
+            try:
+                gcsfs()
+            except Exception as exc:  # noqa: BLE001 - a denial is ours to report; anything else is gcsfs's answer
+                if _denied(exc):
+                    raise refused from None
+                raise
+            if not self._direct_refused:
+                self._direct_refused = True
+                log.warning("%s: the server refused our direct GET (%s) but not gcsfs's; chunk fetches go "
+                            "through gcsfs from now on", self.url, _one_line(refused))
 
     def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
         """One media GET: the body and, in ``x-goog-generation``, the generation of that body."""
@@ -300,6 +376,13 @@ class GCSSession:
             _run(self.fs.loop, cancel(), timeout=60)
         except Exception:  # noqa: BLE001 - GCS answers 499 to a cancel; expired sessions vanish anyway
             pass
+
+
+def _denied(exc: BaseException) -> bool:
+    """gcsfs's answer to a request it may not send: its 403 is an OSError saying Forbidden, its
+    401 an HttpError with that code."""
+    return isinstance(exc, PermissionError) or str(exc).startswith("Forbidden") or \
+        getattr(exc, "code", None) in (401, 403)
 
 
 def _header(headers: Any, name: str) -> str | None:

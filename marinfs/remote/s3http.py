@@ -10,7 +10,7 @@ lifetime), so credentials, endpoints and addressing style are exactly s3fs's.
 
 A chunk fetch goes one step further (``get_into``): the body is read with http.client's
 ``readinto`` straight into the chunk's pooled buffer (socket ``recv_into``, the GIL released
-while it waits), never a ``bytes`` in between.
+while it waits), never a ``bytes`` in between (httpbody.py, shared with GCS's gcshttp.py).
 
 Small files are committed the same way: a PUT of a presigned URL costs 2.4 ms on SeaweedFS
 loopback against 4.8 ms for s3fs's ``put_object`` (its event loop and botocore's request
@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import logging
 import hashlib
-import http.client
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ import urllib3
 import urllib3.exceptions
 
 from marinfs.errors import PreconditionFailed, StaleVersionError
+import marinfs.remote.httpbody as httpbody
 from marinfs.remote.base import TRANSIENT_STATUS
 
 log = logging.getLogger(__name__)
@@ -140,43 +140,7 @@ class S3Http:
         resp = self._send("GET", full, lambda fresh: self._url(full, fresh), headers, ok=(200, 206, 416), answers={
             412: lambda: StaleVersionError(f"{full} is no longer version {etag}"),
             404: lambda: FileNotFoundError(2, "no such object", full)}, preload=False)
-        raw = getattr(resp, "_fp", None)  # urllib3's http.client response: readinto on the socket
-        done = False
-        try:
-            if resp.status == 416:
-                return 0
-            sent = _range_start(resp.headers.get("Content-Range"))
-            if resp.status != 206 or sent not in (None, start) or resp.headers.get("Content-Encoding", "identity") \
-                    != "identity" or raw is None or not hasattr(raw, "readinto"):
-                data = resp.read(decode_content=True)
-                if resp.status == 206 and sent not in (None, start):  # never bytes of another offset
-                    raise OSError(5, f"GET {full}: the server sent {resp.headers.get('Content-Range')} "
-                                     f"for {start}-{end - 1}")
-                data = data if resp.status == 206 else data[start:end]  # 200: the server ignored the range
-                n = min(len(data), len(buf))
-                buf[:n] = data[:n]
-                done = True
-                return n
-            n = 0
-            while n < len(buf):
-                got = raw.readinto(buf[n:])
-                if not got:
-                    break
-                n += got
-            done = n == len(buf) and raw.isclosed()  # all of the body read: the connection is reusable
-            return n
-        except TimeoutError as exc:  # socket.timeout: the read timeout
-            raise TimeoutError(f"GET {full}: {exc}") from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            if isinstance(exc, OSError) and exc.errno == 5:
-                raise
-            raise ConnectionError(f"GET {full}: {exc}") from None
-        except http.client.HTTPException as exc:  # IncompleteRead and kin: a body cut short
-            raise ConnectionError(f"GET {full}: {exc!r}") from None
-        finally:
-            if not done:
-                resp.close()  # unread body left, or a broken one: never back in the pool
-            resp.release_conn()
+        return httpbody.read_into(resp, buf, start, full)
 
     def get_whole(self, full: str) -> tuple[bytes, str]:
         """The whole object and the ETag (unquoted) of those very bytes, in one GET."""
@@ -244,16 +208,6 @@ class S3Http:
     def close(self) -> None:
         """Close the connections kept for reuse (a daemon ends, a test drops its remote)."""
         self.pool.clear()
-
-
-def _range_start(content_range: str | None) -> int | None:
-    """The first byte a ``Content-Range: bytes a-b/n`` answer holds (None: no header)."""
-    if not content_range:
-        return None
-    try:
-        return int(content_range.split()[1].split("-", 1)[0])
-    except (IndexError, ValueError):
-        return -1  # unreadable: not the range asked for
 
 
 def parse_listing(xml: bytes, bucket: str) -> tuple[list[dict[str, Any]], str | None]:
