@@ -354,7 +354,8 @@ class ChunkFetcher:
         except BaseException as exc:
             for f in parts.values():
                 f.cancel()
-            self._after(list(parts.values()), lambda: self._failed(ck, future, exc, reserved))
+            failure = exc  # ``exc`` itself is unbound when this block ends
+            self._after(list(parts.values()), lambda: self._failed(ck, future, failure, reserved))
             raise
         dest[:] = buf[offset:offset + len(dest)]
 
