@@ -16,7 +16,8 @@ buffer's return (until the collector runs); meanwhile the pool allocates a fresh
 
 The pool keeps at most ``keep`` idle buffers (sized by the mount's memory budget); past that, a
 returned buffer is unmapped. Buffers in use are bounded by whoever holds them (the fetcher's
-budget), not here: ``take`` never blocks.
+budget), not here: ``take`` never blocks. :meth:`BufferPool.trim` unmaps the idle ones when the
+mount has gone quiet, so a daemon on every node does not keep 200 MiB after one big read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import time
 
 PAGE = mmap.PAGESIZE
 
@@ -34,7 +36,7 @@ class BufferPool:
     def __init__(self, size: int, keep: int) -> None:
         self.size = size
         self.keep = keep
-        self._idle: list[mmap.mmap] = []
+        self._idle: list[tuple[mmap.mmap, float]] = []  # with when each went idle, oldest first
         # Reentrant: a buffer's finalizer may run in any thread at any allocation, even one
         # made while this thread holds the lock (the cyclic collector).
         self._lock = threading.RLock()
@@ -59,7 +61,7 @@ class BufferPool:
         if not 0 <= length <= self.size:
             raise ValueError(f"a buffer of {length} bytes from a pool of {self.size}-byte buffers")
         with self._lock:
-            mm = self._idle.pop() if self._idle else None
+            mm = self._idle.pop()[0] if self._idle else None
             if mm is not None:
                 self.reused += 1
             else:
@@ -73,9 +75,19 @@ class BufferPool:
     def _give_back(self, mm: mmap.mmap) -> None:
         with self._lock:
             if len(self._idle) < self.keep:
-                self._idle.append(mm)
+                self._idle.append((mm, time.monotonic()))
                 return
         # Unmapped once the dying array's own export of it is released (right after this).
+
+    def trim(self, idle_for: float = 0.0) -> int:
+        """Unmap the buffers idle for at least ``idle_for`` seconds; answers how many."""
+        cutoff = time.monotonic() - idle_for
+        with self._lock:
+            old = [mm for mm, since in self._idle if since <= cutoff]
+            self._idle = [(mm, since) for mm, since in self._idle if since > cutoff]
+        for mm in old:
+            mm.close()
+        return len(old)
 
     def idle(self) -> int:
         with self._lock:

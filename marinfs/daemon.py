@@ -114,6 +114,11 @@ def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 -
     os.replace(tmp, path)
 
 
+# A mount with no read for this long gives its chunk memory and pooled buffers back (up to the
+# budget plus ~100 MiB otherwise stay mapped on every node after one big read).
+MEMORY_IDLE_SECONDS = 30.0
+
+
 def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Event) -> None:  # noqa: ANN001
     """Once the mount is live: raise the kernel readahead (root), then publish stats."""
     started = time.monotonic()
@@ -128,11 +133,16 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
     last_retry = time.monotonic()
+    trimmed = False
     while not stop.wait(min(2.0, max(cfg.commit_retry_interval, 0.1))):
         try:
             write_stats(fs, cfg, started)
         except OSError as exc:
             log.debug("cannot write stats: %s", exc)
+        quiet = fs.fetcher.trim_idle(MEMORY_IDLE_SECONDS)
+        if quiet and not trimmed:
+            log.debug("no read for %.0f s: chunk memory and idle buffers given back", MEMORY_IDLE_SECONDS)
+        trimmed = quiet
         if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
             try:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -108,6 +109,7 @@ class ChunkFetcher:
         # workers) take. A chunk waiting for the disk past the budget, or a reader's copy
         # in progress, takes a fresh buffer instead: bounded by those, never kept past `keep`.
         self.buffers = BufferPool(chunk_size, self.memory_bytes // chunk_size + workers + workers // 2)
+        self._last_read = time.monotonic()
 
     def sweep_allowed(self, size: int) -> bool:
         """Whether the disk cache can keep a whole object of ``size`` bytes (twice over)."""
@@ -135,6 +137,7 @@ class ChunkFetcher:
         readahead would have fetched it)."""
         size = len(dest)
         ck = self.chunk_key(obj, index)
+        self._last_read = time.monotonic()  # a float stored: no lock needed (trim_idle reads it)
         with self._lock:
             entry = self._chunks.get(ck)
             if entry is not None:
@@ -472,6 +475,18 @@ class ChunkFetcher:
         with self._settled:
             self._pending_writes -= 1
             self._settled.notify_all()
+
+    def trim_idle(self, idle_for: float) -> bool:
+        """Once no read has come for ``idle_for`` seconds, give the memory back: chunks nobody
+        holds leave memory (they are on disk, or fetched again if asked for) and idle pooled
+        buffers are unmapped. True if it trimmed (the mount was quiet)."""
+        if time.monotonic() - self._last_read < idle_for:
+            return False
+        with self._lock:
+            while self._evict_one_locked():
+                pass
+        self.buffers.trim()
+        return True
 
     def memory(self) -> dict[str, int]:
         """What the budget holds: bytes in memory, asked for ahead, the limit."""

@@ -648,3 +648,38 @@ def test_a_pooled_buffer_is_written_in_place_with_the_same_name_and_crc(tmp_path
     cache.close()
     again = ChunkCache(tmp_path / "pooled", 64 * MiB)
     assert again.read(key(1), 0, size) == data and again.stats.corrupt == 0
+
+
+def test_a_quiet_fetcher_gives_its_memory_and_idle_buffers_back(tmp_path: Path) -> None:
+    """After a big read, memory holds chunks up to the budget and the pool its idle buffers;
+    once no read has come for a while both are given back, and reads go on as before."""
+    fetch = IntoFetch(DATA)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB), chunk_size=1 * MiB, memory_bytes=8 * MiB,
+                           fetch_into=fetch.into)
+    reader = ObjectReader(ref(), fetcher)
+    assert reader.read(len(DATA), 0) == DATA
+    assert fetcher.settle()
+    reader.close()
+    assert fetcher.memory()["used"] > 0
+    assert not fetcher.trim_idle(60.0)  # read just now: kept
+    assert fetcher.memory()["used"] > 0
+    time.sleep(0.05)
+    assert fetcher.trim_idle(0.01)
+    assert fetcher.memory()["used"] == 0 and fetcher.buffers.idle() == 0
+    assert ObjectReader(ref(), fetcher).read(10, 3 * MiB) == DATA[3 * MiB:3 * MiB + 10]  # from the disk cache
+    assert fetched(fetch.calls) == len(DATA)
+    fetcher.close()
+
+
+def test_the_pool_unmaps_only_buffers_idle_long_enough() -> None:
+    from marinfs.buffers import BufferPool
+
+    pool = BufferPool(MiB, keep=4)
+    views = [pool.take(MiB) for _ in range(3)]
+    del views
+    assert pool.idle() == 3
+    assert pool.trim(60.0) == 0 and pool.idle() == 3
+    assert pool.trim() == 3 and pool.idle() == 0
+    view = pool.take(10)
+    view[:] = b"x" * 10
+    assert bytes(view) == b"x" * 10 and pool.allocated == 4
