@@ -34,6 +34,10 @@ class PartSession(Protocol):
 
     def send(self, index: int, data: bytes, total: int | None = None) -> None: ...
 
+    # Optional: ``send_range(index, fd, offset, length, total)`` sends the part from the file
+    # itself (up to ``length`` bytes of ``fd`` at ``offset``); without it a part is read into
+    # ``bytes`` for ``send``.
+
     def complete(self, parts: int, total: int) -> ObjectVersion | None: ...
 
     def abort(self) -> None: ...
@@ -49,7 +53,8 @@ class PartStream:
     ``on_write``/``on_truncate`` are called (under the staged file's lock) after each change to
     the file; ``finish`` commits, or answers None when the stream gave up or never started and
     the caller must upload the file whole. Bounded memory: at most ``max_in_flight`` parts are
-    read into memory at once; a writer that outruns the network waits for a slot.
+    in flight at once (a session with ``send_range`` holds none of them in memory, others read
+    each into ``bytes``); a writer that outruns the network waits for a slot.
     """
 
     def __init__(self, fd: int, open_session: Callable[[], PartSession], part_size: int,
@@ -122,6 +127,10 @@ class PartStream:
         assert self.session is not None
         start = index * self.part_size
         size = self.part_size if total is None else max(0, min(self.part_size, total - start))
+        send_range = getattr(self.session, "send_range", None)
+        if send_range is not None:  # from the file: no part-sized bytes in memory
+            send_range(index, self.fd, start, size, total)
+            return
         data = os.pread(self.fd, size, start)
         self.session.send(index, data, total)
 
