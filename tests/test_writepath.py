@@ -582,3 +582,75 @@ def test_commits_of_odd_names(request: pytest.FixtureRequest, tmp_path: Path, ba
             core.release(fh)
             assert client.cat_file(f"{root}/{name}") == data[:size], name
     assert sorted(os.path.basename(p) for p in client.ls(root, detail=False)) == sorted(names)
+
+
+# -- writes handed down as views of libfuse's buffer ---------------------------------------------
+@pytest.mark.mount  # imports the binding, which loads libfuse
+def test_a_fuse_write_reaches_the_staging_file_as_a_view_of_libfuses_buffer(tmp_path: Path) -> None:
+    """_Fuse.write gives the filesystem a memoryview of the request buffer (no bytes copy),
+    which os.pwrite takes as it is, and releases it on return: a view kept past the call
+    would read memory libfuse reuses."""
+    import ctypes
+
+    from marinfs.fuse_ops import _Fuse
+
+    fd = os.open(tmp_path / "staged", os.O_RDWR | os.O_CREAT, 0o600)
+    got: list[Any] = []
+
+    class Ops:
+        def write(self, path: str | None, data: Any, offset: int, fi: Any) -> int:
+            got.append((path, data, fi))
+            return os.pwrite(fd, data, offset)
+
+    class Fi:
+        fh = 7
+
+    class FiPointer:
+        contents = Fi()
+
+    binding = _Fuse.__new__(_Fuse)  # no mount: only the callback under test
+    binding.operations, binding.encoding, binding.errors = Ops(), "utf-8", "surrogateescape"
+    payload = os.urandom(MiB + 3)
+    raw = (ctypes.c_byte * len(payload)).from_buffer_copy(payload)
+    try:
+        assert binding.write(b"/f", ctypes.cast(raw, ctypes.POINTER(ctypes.c_byte)), len(payload), 5, FiPointer()) \
+            == len(payload)
+        assert binding.write(None, ctypes.cast(raw, ctypes.POINTER(ctypes.c_byte)), 0, 0, FiPointer()) == 0
+        assert os.pread(fd, len(payload), 5) == payload
+        path, view, fi = got[0]
+        assert path == "/f" and isinstance(view, memoryview) and fi.fh == 7
+        with pytest.raises(ValueError):  # released: nobody reads the buffer after the call
+            bytes(view)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.mount
+def test_a_big_write_through_the_mount_is_byte_exact(s3_server: Any, tmp_path: Path) -> None:
+    """Odd-sized writes through FUSE (views of libfuse's buffer into the staging file), parts
+    sent from the staging file while it is written, one part patched after it was sent: the
+    object's sha256 is the writer's, and the parts went with their CRC-32C."""
+    import hashlib
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    client, root = fsspec_client(url, {**s3_server.storage_options(), "use_listings_cache": False})
+    mnt = tmp_path / "mnt"
+    code = ("import hashlib, os, random, sys\nrng = random.Random(3)\nh = hashlib.sha256()\n"
+            f"fd = os.open({str(mnt / 'big.bin')!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+            "data = bytearray()\n"
+            "while len(data) < 40 << 20:\n"
+            "    block = rng.randbytes(rng.choice((1 << 20, (1 << 20) + 13, 4093, 300000)))\n"
+            "    os.write(fd, block)\n"
+            "    data += block\n"
+            "patch = rng.randbytes(100)\n"
+            "os.pwrite(fd, patch, 1000)\n"  # into part 0, long since sent
+            "data[1000:1100] = patch\n"
+            "os.close(fd)\n"
+            "print(hashlib.sha256(data).hexdigest())\n")
+    with subprocess_mount(url, mnt, tmp_path / "cache", env=s3_server.env()):
+        out = subprocess.run(["python3", "-c", code], check=True, timeout=300, capture_output=True, text=True)
+        assert hashlib.sha256((mnt / "big.bin").read_bytes()).hexdigest() == out.stdout.strip()
+    assert hashlib.sha256(client.cat_file(f"{root}/big.bin")).hexdigest() == out.stdout.strip()
+    head = client.call_s3("head_object", Bucket=s3_server.bucket, Key=f"{root.split('/', 1)[1]}/big.bin",
+                          ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32C")  # a composite of the parts' CRC-32C: they were sent and checked
