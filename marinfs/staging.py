@@ -167,8 +167,8 @@ class StagedFile:
                 self._poison(exc)
                 raise
             self._touched()
-            if self.stream is not None:
-                self.stream.on_write(offset, written)
+            if self.stream is not None:  # the bytes too: the stream sums parts as they are written
+                self.stream.on_write(offset, written, data if written == len(data) else None)
             return written
 
     def truncate(self, length: int) -> None:

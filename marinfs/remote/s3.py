@@ -507,11 +507,11 @@ class S3Remote(Recorded, ObjectStoreRemote):
                 return self._direct_first("part", ours, sdk)
 
             def put_range(upload_id: str, number: int, fd: int, offset: int, length: int,
-                          checksum: str) -> tuple[str, str | None, int]:
+                          checksum: str, known: str | None = None) -> tuple[str, str | None, int]:
                 def ours() -> tuple[str, str | None, int]:
                     self.stats.add("part")  # not seen by botocore's hook: count it here
                     try:
-                        return direct.put_part_range(full, upload_id, number, fd, offset, length, checksum)
+                        return direct.put_part_range(full, upload_id, number, fd, offset, length, checksum, known)
                     except ChecksumNotChecked as why:
                         # This part is unchecked: again with Content-MD5, and its CRC-32C still,
                         # for the completion of an upload created with that algorithm.
@@ -549,7 +549,7 @@ class S3Session:
                  run: Runner, sent: Counter = lambda n: None,
                  put_part: Callable[[str, int, bytes], str] | None = None,
                  metadata: dict[str, str] | None = None,
-                 put_range: Callable[[str, int, int, int, int, str], tuple[str, str | None, int]] | None = None,
+                 put_range: Callable[..., tuple[str, str | None, int]] | None = None,
                  checksum: str | None = None) -> None:
         self.fs, self.bucket, self.key, self.part_size, self._run = fs, bucket, key, part_size, run
         self._sent = sent
@@ -580,14 +580,24 @@ class S3Session:
             self.sums[index] = _crc_param(data, self.checksum).get("ChecksumCRC32C") if self._put_part else None
         self._sent(len(data))
 
-    def send_range(self, index: int, fd: int, offset: int, length: int, total: int | None = None) -> None:
+    def send_range(self, index: int, fd: int, offset: int, length: int, total: int | None = None,
+                   crc32c: int | None = None) -> None:
         """Part ``index``: up to ``length`` bytes of the staging file ``fd`` at ``offset``, sent
-        from the file where this session can (never read into ``bytes`` then)."""
+        from the file where this session can (never read into ``bytes`` then). ``crc32c``: the
+        part's CRC-32C summed as it was written, so the first attempt need not read it back
+        (the server checks it; an attempt after a failure sums the file again)."""
         if self._put_range is None:
             self.send(index, os.pread(fd, length, offset), total)
             return
         put, checksum = self._put_range, self.checksum or "md5"
-        etag, value, n = self._run("part", lambda: put(self.upload_id, index + 1, fd, offset, length, checksum))
+        known = [base64.b64encode(crc32c.to_bytes(4, "big")).decode()
+                 if crc32c is not None and checksum == "crc32c" else None]
+
+        def attempt() -> tuple[str, str | None, int]:
+            value, known[0] = known[0], None
+            return put(self.upload_id, index + 1, fd, offset, length, checksum, value)
+
+        etag, value, n = self._run("part", attempt)
         with self._lock:
             self.etags[index] = etag
             self.sums[index] = value

@@ -280,14 +280,19 @@ class S3Http:
         return etag
 
     def put_part_range(self, full: str, upload_id: str, number: int, fd: int, offset: int, length: int,
-                       checksum: str = CHECKSUMS[0]) -> tuple[str, str | None, int]:
+                       checksum: str = CHECKSUMS[0], known: str | None = None) -> tuple[str, str | None, int]:
         """One part of a multipart upload: up to ``length`` bytes of the file ``fd`` at ``offset``
         (fewer where the file ends), sent from the file (see the module docstring), never read
         into ``bytes``. ``checksum`` (crc32c, md5, or md5+crc32c: both headers) is signed into
         the part's URL and sent as its header. Answers (ETag, the CRC-32C sent or None, bytes
         sent). A CRC-32C alone that the server does not echo raises ChecksumNotChecked; one it
-        echoes otherwise is a transient error (sent again)."""
-        sums, n = self._digest(fd, offset, length, checksum)
+        echoes otherwise is a transient error (sent again). ``known``: the CRC-32C of exactly
+        ``length`` bytes there, summed as they were written: the part is not read to sum it (a
+        file shorter than that breaks the request, a transient error)."""
+        if known is not None and checksum == "crc32c":
+            sums, n = {"crc32c": known}, length
+        else:
+            sums, n = self._digest(fd, offset, length, checksum)
         params: dict[str, Any] = {}
         headers: dict[str, str] = {}
         if "md5" in sums:
