@@ -697,11 +697,15 @@ def _crc(data: bytes) -> str:
 
 
 @pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "blocks"])
-def test_a_part_leaves_the_staging_file_with_its_crc32c(server: str, tmp_path: Any, sendfile: bool) -> None:
+def test_a_part_leaves_the_staging_file_with_its_crc32c(server: str, tmp_path: Any, sendfile: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The part is read from the file (sendfile, or 1 MiB blocks as over TLS), never passed as
-    bytes; its CRC-32C is signed into the URL and sent; fewer bytes where the file ends."""
+    bytes; its CRC-32C is signed into the URL and sent; fewer bytes where the file ends. Our
+    own connections are kept between parts, and one the server closed while idle is dropped."""
     import base64
     import hashlib
+
+    monkeypatch.setattr(Scripted, "protocol_version", "HTTP/1.1")  # keep-alive, as S3 answers
 
     calls: list[tuple] = []
 
@@ -730,6 +734,11 @@ def test_a_part_leaves_the_staging_file_with_its_crc32c(server: str, tmp_path: A
         for _ in range(3):  # the connection is kept and reused between parts
             g.put_part_range("b/k", "up-1", 5, fd, 0, 10, "crc32c")
         assert Scripted.bodies[-1] == data[:10]
+        if sendfile:
+            (_, kept), = g._idle
+            kept.sock.shutdown(2)  # as a server closing an idle connection looks: readable, EOF
+            assert g.put_part_range("b/k", "up-1", 6, fd, 0, 10, "crc32c")[2] == 10  # a new one, first try
+            assert g._idle[0][1] is not kept
     finally:
         os.close(fd)
 

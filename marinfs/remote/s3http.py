@@ -390,11 +390,18 @@ class S3Http:
                 conn.close()
 
     def _connection(self, where: tuple[str, int]) -> http.client.HTTPConnection:
-        """An idle connection to ``where`` kept from an earlier part, else a new one."""
-        with self._lock:
-            for i in range(len(self._idle) - 1, -1, -1):
-                if self._idle[i][0] == where:
-                    return self._idle.pop(i)[1]
+        """An idle connection to ``where`` kept from an earlier part, else a new one. A kept
+        connection the server has closed meanwhile (readable while idle: EOF) is dropped, as
+        urllib3 does, rather than failing the part's first attempt."""
+        while True:
+            with self._lock:
+                found = next((i for i in range(len(self._idle) - 1, -1, -1) if self._idle[i][0] == where), None)
+                kept = None if found is None else self._idle.pop(found)[1]
+            if kept is None:
+                break
+            if kept.sock is not None and not select.select([kept.sock], [], [], 0)[0]:
+                return kept
+            kept.close()
         conn = http.client.HTTPConnection(where[0], where[1], timeout=self._connect_timeout)
         conn.connect()
         conn.sock.settimeout(self._read_timeout)
