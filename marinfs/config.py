@@ -173,7 +173,8 @@ class RemoteSettings:
     backoff_max: float = 10.0
     # Commits to S3/GCS go in parts of this size (S3 allows 10,000 of them: 160 GB at 16 MiB;
     # bigger files get bigger parts, so 10,000 of them cover up to 5 TiB), with at
-    # most ``upload_concurrency`` parts in memory and in flight per file.
+    # most ``upload_concurrency`` parts in flight per file (S3 sends them from the staging
+    # file, 1 MiB of memory each; GCS holds each in memory) and 2x+2 sending threads a mount.
     upload_part_size: int = 16 << 20
     upload_concurrency: int = 4
 

@@ -782,7 +782,8 @@ class Filesystem:
             reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
         return reader
 
-    def write(self, fh: int, data: bytes, offset: int) -> int:
+    def write(self, fh: int, data: bytes | memoryview, offset: int) -> int:
+        """``data`` may be a view of the FUSE request buffer: used during the call, never kept."""
         handle = self._handle(fh)
         if handle.staged is None:
             raise FsError(errno.EBADF, "file not open for writing")

@@ -4,7 +4,8 @@ Each operation unpacks its arguments, calls :class:`marinfs.fs.Filesystem`, and 
 result. One decorator maps every exception to an errno through the table in errors.py; the
 binding would otherwise answer EINVAL for anything that is not an OSError. Reads are the one
 op that does not return its result: the filesystem writes it into libfuse's reply buffer
-(``_Fuse.read``), so no ``bytes`` is made and copied again per read.
+(``_Fuse.read``), so no ``bytes`` is made and copied again per read. Writes likewise hand the
+filesystem a view of libfuse's request buffer (``_Fuse.write``), not a copy.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class FuseAdapter(fuse.Operations):
     read_into = _errors(read_into, op="read")  # the read it serves, in logs and metrics
 
     @_errors
-    def write(self, path: str, data: bytes, offset: int, fi: Any) -> int:
+    def write(self, path: str | None, data: bytes | memoryview, offset: int, fi: Any) -> int:
+        """``data``: from _Fuse.write, a view of libfuse's buffer, valid only during the call."""
         return self.fs.write(fi.fh, data, offset)
 
     @_errors
@@ -371,6 +373,19 @@ class _Fuse(fuse.FUSE):
             return 0
         dest = memoryview((ctypes.c_ubyte * size).from_address(ctypes.addressof(buf.contents))).cast("B")
         return self.operations.read_into(self._decoded(path), dest, offset, fip.contents)
+
+    def write(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+        """The binding's write copies libfuse's request buffer into a ``bytes`` first; here the
+        filesystem gets a memoryview of that buffer (``buf``: a ``c_byte`` pointer to ``size``
+        bytes, valid until this returns), which os.pwrite takes as it is. Released on return:
+        a view kept past it would read freed memory, so keeping one is an error (BufferError)."""
+        if size <= 0:
+            return self.operations.write(self._decoded(path), b"", offset, fip.contents)
+        data = memoryview((ctypes.c_ubyte * size).from_address(ctypes.addressof(buf.contents))).cast("B")
+        try:
+            return self.operations.write(self._decoded(path), data, offset, fip.contents)
+        finally:
+            data.release()
 
     def getxattr(self, path: bytes, name: bytes, value: Any, size: int, *args: Any) -> int:
         """The kernel's own namespaces hold nothing here: ENODATA at once, without the adapter,

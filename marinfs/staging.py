@@ -153,8 +153,9 @@ class StagedFile:
             self._ensure_seeded()
             return os.preadv(self.fd, [dest], offset)
 
-    def write(self, data: bytes, offset: int | None) -> int:
-        """Write at ``offset``; ``None`` appends at the current end (O_APPEND)."""
+    def write(self, data: bytes | memoryview, offset: int | None) -> int:
+        """Write at ``offset``; ``None`` appends at the current end (O_APPEND). ``data`` is not
+        kept (it may be a view of the FUSE request buffer)."""
         with self.lock:
             self._ensure_seeded()
             if offset is None:
@@ -166,8 +167,8 @@ class StagedFile:
                 self._poison(exc)
                 raise
             self._touched()
-            if self.stream is not None:
-                self.stream.on_write(offset, written)
+            if self.stream is not None:  # the bytes too: the stream sums parts as they are written
+                self.stream.on_write(offset, written, data if written == len(data) else None)
             return written
 
     def truncate(self, length: int) -> None:

@@ -14,11 +14,13 @@ stream is an optimisation that may give up at any time without losing anything.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import logging
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from marinfs.checksums import crc32c_extend
 from marinfs.objects import ObjectVersion
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ class PartSession(Protocol):
     ordered: bool  # parts go one at a time, in order, never resent (GCS)
 
     def send(self, index: int, data: bytes, total: int | None = None) -> None: ...
+
+    # Optional: ``send_range(index, fd, offset, length, total, crc32c=None)`` sends the part
+    # from the file itself (up to ``length`` bytes of ``fd`` at ``offset``; ``crc32c``: its
+    # CRC-32C if known, summed as it was written); without it a part is read into ``bytes``
+    # for ``send``. A session with ``checksum == "crc32c"`` takes those sums.
 
     def complete(self, parts: int, total: int) -> ObjectVersion | None: ...
 
@@ -49,7 +56,8 @@ class PartStream:
     ``on_write``/``on_truncate`` are called (under the staged file's lock) after each change to
     the file; ``finish`` commits, or answers None when the stream gave up or never started and
     the caller must upload the file whole. Bounded memory: at most ``max_in_flight`` parts are
-    read into memory at once; a writer that outruns the network waits for a slot.
+    in flight at once (a session with ``send_range`` holds none of them in memory, others read
+    each into ``bytes``); a writer that outruns the network waits for a slot.
     """
 
     def __init__(self, fd: int, open_session: Callable[[], PartSession], part_size: int,
@@ -66,10 +74,23 @@ class PartStream:
         self.broken = False  # gave up: commit uploads the whole file
         self.dirty: set[int] = set()  # dispatched parts written again since
         self.futures: dict[int, cf.Future[None]] = {}
+        # CRC-32C of the parts as they are written (the bytes pass through here anyway, so the
+        # part need not be read back to be summed): bytes [0, sum_at) were summed in order, the
+        # current part's so far in ``_sum``; full parts not written since in ``sums``. -1: the
+        # writer left the sequence (or the session takes no sums) and parts are summed as sent.
+        self.sum_at = 0 if crc32c_extend is not None else -1
+        self._sum = 0
+        self.sums: dict[int, int] = {}
 
-    def on_write(self, offset: int, length: int) -> None:
+    def on_write(self, offset: int, length: int, data: Any = None) -> None:
+        """``data`` (the bytes written, if the caller has them) feeds the running CRC-32C."""
         if self.broken or length <= 0:
             return
+        if self.sum_at >= 0:
+            if data is not None and offset == self.sum_at and len(data) == length:
+                self._absorb(data)
+            else:
+                self._unsum(offset // self.part_size)
         end = offset + length
         first, last = offset // self.part_size, (end - 1) // self.part_size
         if first < self.next_part:
@@ -89,9 +110,45 @@ class PartStream:
                 return
             self.next_part += 1
 
+    def _absorb(self, data: Any) -> None:
+        """Extend the running CRC-32C over ``data``, written at ``sum_at``; a part it completes
+        keeps its sum in ``sums``."""
+        assert crc32c_extend is not None
+        view = memoryview(data).cast("B")
+        hold: Any = None
+        keep: bytes | None = None
+        try:
+            if view.readonly:  # bytes: summed where they lie (a copy only of other read-only memory)
+                keep = data if isinstance(data, bytes) else bytes(view)
+                base = ctypes.cast(ctypes.c_char_p(keep), ctypes.c_void_p).value or 0
+            else:
+                hold = (ctypes.c_char * len(view)).from_buffer(view)
+                base = ctypes.addressof(hold)
+            done, pos, size = 0, self.sum_at, self.part_size
+            while done < len(view):
+                k = min(len(view) - done, (pos // size + 1) * size - pos)
+                self._sum = crc32c_extend(self._sum, base + done, k)  # type: ignore[operator]
+                done, pos = done + k, pos + k
+                if pos % size == 0:
+                    self.sums[pos // size - 1] = self._sum
+                    self._sum = 0
+            self.sum_at = pos
+        finally:
+            del hold, keep  # the caller's view must have no exports left when it is released
+            view.release()
+
+    def _unsum(self, first: int) -> None:
+        """Bytes of part ``first`` (or later) were written out of order: those parts are summed
+        when they are sent, and the running sum stops."""
+        for i in [i for i in self.sums if i >= first]:
+            del self.sums[i]
+        self.sum_at = -1
+
     def on_truncate(self, length: int) -> None:
         if self.broken:
             return
+        if self.sum_at >= 0 and length != self.sum_at:
+            self._unsum(min(length, self.sum_at) // self.part_size)
         if length < self.next_part * self.part_size:
             if self.session is not None and self.session.ordered:
                 self._give_up("truncated below what was already sent")
@@ -108,7 +165,9 @@ class PartStream:
         except Exception as exc:  # noqa: BLE001 - the commit will upload the whole file
             self._give_up(f"could not start the upload ({exc})")
             return False
-        self.futures[index] = self.pool.submit(self._send, index, None)
+        if self.sum_at >= 0 and getattr(self.session, "checksum", None) != "crc32c":
+            self._unsum(0)  # this session sums its parts otherwise
+        self.futures[index] = self.pool.submit(self._send, index, None, self.sums.pop(index, None))
         return True
 
     def _wait_for_slot(self) -> None:
@@ -118,10 +177,17 @@ class PartStream:
             cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             pending = [f for f in pending if not f.done()]
 
-    def _send(self, index: int, total: int | None) -> None:
+    def _send(self, index: int, total: int | None, crc: int | None = None) -> None:
         assert self.session is not None
         start = index * self.part_size
         size = self.part_size if total is None else max(0, min(self.part_size, total - start))
+        send_range = getattr(self.session, "send_range", None)
+        if send_range is not None:  # from the file: no part-sized bytes in memory
+            if crc is not None:
+                send_range(index, self.fd, start, size, total, crc32c=crc)
+            else:
+                send_range(index, self.fd, start, size, total)
+            return
         data = os.pread(self.fd, size, start)
         self.session.send(index, data, total)
 
@@ -171,6 +237,8 @@ class PartStream:
                 last_full = total % self.part_size == 0
                 needed = [i for i in range(parts)
                           if i >= self.next_part or i in self.dirty or (i == parts - 1 and not last_full)]
+                if self.sum_at == total and not last_full and getattr(session, "checksum", None) == "crc32c":
+                    self.sums[parts - 1] = self._sum  # the tail, summed as it was written
                 self._send_parallel(needed, total)
             version = session.complete(parts, total)
         except BaseException:
@@ -189,7 +257,7 @@ class PartStream:
             while len(pending) >= self.max_in_flight:
                 cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 pending = [f for f in pending if not f.done()]
-            futures.append(self.pool.submit(self._send, i, total))
+            futures.append(self.pool.submit(self._send, i, total, self.sums.pop(i, None)))
         for f in futures:
             f.result()
 

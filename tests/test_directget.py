@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from marinfs.remote.s3http import S3Http
-from marinfs.errors import PreconditionFailed, StaleVersionError
+from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError
 from marinfs.remote import Remote
 from marinfs.objects import ABSENT
 
@@ -28,6 +28,7 @@ class Scripted(http.server.BaseHTTPRequestHandler):
 
     script: list[str] = []
     seen: list[dict[str, str]] = []
+    bodies: list[bytes] = []  # of PUTs
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -58,12 +59,20 @@ class Scripted(http.server.BaseHTTPRequestHandler):
     def do_PUT(self) -> None:  # noqa: N802 - http.server's name
         Scripted.seen.append(dict(self.headers))
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        Scripted.bodies.append(body)
         action = Scripted.script.pop(0) if Scripted.script else "200"
-        if action == "200":
+        if action in ("200", "200-no-echo", "200-wrong-echo"):  # "200" echoes a CRC-32C, as S3 does
             self.send_response(200)
             self.send_header("ETag", f'"etag-of-{len(body)}"')
+            crc = self.headers.get("x-amz-checksum-crc32c")
+            if crc and action == "200":
+                self.send_header("x-amz-checksum-crc32c", crc)
+            elif crc and action == "200-wrong-echo":
+                self.send_header("x-amz-checksum-crc32c", "AAAAAA==")
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif action == "bad-digest":
+            self._send(400, b"<Error><Code>BadDigest</Code></Error>")
         else:
             self._send(int(action), b"<Error/>")
 
@@ -78,7 +87,7 @@ class Scripted(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    Scripted.script, Scripted.seen = [], []
+    Scripted.script, Scripted.seen, Scripted.bodies = [], [], []
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -676,3 +685,173 @@ def test_a_refused_read_into_falls_back_to_s3fs_into_the_same_buffer(s3_server: 
     other = Remote(url, {**s3_server.storage_options(), "secret": "wrong"})
     with pytest.raises(PermissionError):
         other.read_into("f", 0, 4, version, memoryview(bytearray(4)))
+
+
+# -- parts sent from the staging file ---------------------------------------------------------
+def _crc(data: bytes) -> str:
+    import base64
+
+    import google_crc32c
+
+    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+
+
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "blocks"])
+def test_a_part_leaves_the_staging_file_with_its_crc32c(server: str, tmp_path: Any, sendfile: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The part is read from the file (sendfile, or 1 MiB blocks as over TLS), never passed as
+    bytes; its CRC-32C is signed into the URL and sent; fewer bytes where the file ends. Our
+    own connections are kept between parts, and one the server closed while idle is dropped."""
+    import base64
+    import hashlib
+
+    monkeypatch.setattr(Scripted, "protocol_version", "HTTP/1.1")  # keep-alive, as S3 answers
+
+    calls: list[tuple] = []
+
+    def presign(full: str, expires: int, method: str, **params: Any) -> str:
+        calls.append((method, full, params))
+        return f"{server}/{full}?partNumber={params.get('PartNumber')}"
+
+    data = os.urandom(3 * (1 << 20) + 11)  # more than one block
+    path = tmp_path / "staged"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        g = S3Http(presign, connect_timeout=1, read_timeout=2)
+        g.sendfile = sendfile
+        etag, crc, n = g.put_part_range("b/k", "up-1", 2, fd, 5, 2 * (1 << 20), "crc32c")
+        part = data[5:5 + 2 * (1 << 20)]
+        assert (etag, crc, n) == (f'"etag-of-{len(part)}"', _crc(part), len(part)) and Scripted.bodies[-1] == part
+        assert calls[-1] == ("upload_part", "b/k", {"UploadId": "up-1", "PartNumber": 2, "ChecksumCRC32C": crc})
+        assert Scripted.seen[-1]["x-amz-checksum-crc32c"] == crc and "Content-MD5" not in Scripted.seen[-1]
+        tail = g.put_part_range("b/k", "up-1", 3, fd, 3 * (1 << 20), 1 << 20, "crc32c")  # the file ends first
+        assert tail[1:] == (_crc(data[3 << 20:]), 11) and Scripted.bodies[-1] == data[3 << 20:]
+        etag, crc, n = g.put_part_range("b/k", "up-1", 4, fd, 0, 100, "md5")  # MARINFS_PART_CHECKSUM=md5
+        md5 = base64.b64encode(hashlib.md5(data[:100]).digest()).decode()
+        assert crc is None and Scripted.seen[-1]["Content-MD5"] == md5 and calls[-1][2]["ContentMD5"] == md5
+        assert "x-amz-checksum-crc32c" not in Scripted.seen[-1]
+        for _ in range(3):  # the connection is kept and reused between parts
+            g.put_part_range("b/k", "up-1", 5, fd, 0, 10, "crc32c")
+        assert Scripted.bodies[-1] == data[:10]
+        if sendfile:
+            (_, kept), = g._idle
+            kept.sock.shutdown(2)  # as a server closing an idle connection looks: readable, EOF
+            assert g.put_part_range("b/k", "up-1", 6, fd, 0, 10, "crc32c")[2] == 10  # a new one, first try
+            assert g._idle[0][1] is not kept
+    finally:
+        os.close(fd)
+
+
+def test_a_part_whose_checksum_the_server_does_not_check_or_refuses(server: str, tmp_path: Any) -> None:
+    """No echo of the CRC-32C: the server does not check it (ChecksumNotChecked; the caller
+    sends the part again with MD5 too). An echo of another sum, or BadDigest: transient, sent
+    again by the retry loop."""
+    from marinfs.remote.s3http import ChecksumNotChecked
+
+    path = tmp_path / "staged"
+    path.write_bytes(b"0123456789")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        g = getter(server, [])
+        Scripted.script = ["200-no-echo"]
+        with pytest.raises(ChecksumNotChecked):
+            g.put_part_range("b/k", "u", 1, fd, 0, 10, "crc32c")
+        Scripted.script = ["200-no-echo"]  # with MD5 as well: checked by that, no echo needed
+        assert g.put_part_range("b/k", "u", 1, fd, 0, 10, "md5+crc32c")[1] == _crc(b"0123456789")
+        assert Scripted.seen[-1]["Content-MD5"] and Scripted.seen[-1]["x-amz-checksum-crc32c"]
+        for action in ("200-wrong-echo", "bad-digest", "503"):
+            Scripted.script = [action]
+            with pytest.raises(ConnectionError):
+                g.put_part_range("b/k", "u", 1, fd, 0, 10, "crc32c")
+        Scripted.script = ["404"]
+        with pytest.raises(FileNotFoundError):
+            g.put_part_range("b/k", "u", 1, fd, 0, 10, "crc32c")
+    finally:
+        os.close(fd)
+
+
+def _spy_parts(remote: Remote) -> list[dict[str, str]]:
+    """The headers of every part our direct path sends from a file."""
+    sent: list[dict[str, str]] = []
+    real = remote._direct._put_from_file
+
+    def spy(url: str, headers: dict[str, str], *args: Any) -> Any:
+        sent.append(dict(headers))
+        return real(url, headers, *args)
+
+    remote._direct._put_from_file = spy
+    return sent
+
+
+def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_path: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """SeaweedFS checks a part's CRC-32C (a wrong one is BadDigest: sent again, then an error);
+    the completion lists every part's. MARINFS_PART_CHECKSUM=md5 sends Content-MD5 instead."""
+    from marinfs.config import RemoteSettings
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    settings = RemoteSettings(upload_part_size=5 << 20, attempts=2, backoff_base=0.01)
+    remote = Remote(url, s3_server.storage_options(), settings)
+    assert remote.part_checksum == "crc32c"
+    sent = _spy_parts(remote)
+    src = tmp_path / "big"
+    data = os.urandom((12 << 20) + 5)
+    src.write_bytes(data)
+    remote.stats.reset()
+    version = remote.upload(str(src), "big", ABSENT)
+    assert remote.stats.count("part") == 5  # create, 3 parts, complete: exact
+    assert remote.fs.cat_file(remote.full("big")) == data and remote.stat("big").version == version
+    assert len(sent) == 3 and all("x-amz-checksum-crc32c" in h and "Content-MD5" not in h for h in sent)
+
+    digest = remote._direct._digest
+    remote._direct._digest = lambda *a: ({"crc32c": _crc(b"other bytes")}, digest(*a)[1])
+    remote.stats.reset()
+    with pytest.raises(RemoteError, match="BadDigest"):  # after the retries
+        remote.upload(str(src), "refused", ABSENT)
+    assert not remote.fs.exists(remote.full("refused"))
+    remote._direct._digest = digest
+
+    monkeypatch.setenv("MARINFS_PART_CHECKSUM", "md5")
+    md5_remote = Remote(url, s3_server.storage_options(), settings)
+    sent = _spy_parts(md5_remote)
+    md5_remote.upload(str(src), "md5", ABSENT)
+    assert md5_remote.fs.cat_file(md5_remote.full("md5")) == data
+    assert len(sent) == 3 and all("Content-MD5" in h and "x-amz-checksum-crc32c" not in h for h in sent)
+    md5_remote._direct._digest = lambda *a: ({"md5": "1B2M2Y8AsgTpgAmY7PhCfg=="}, digest(*a)[1])
+    with pytest.raises(RemoteError, match="BadDigest"):  # after the retries
+        md5_remote.upload(str(src), "refused", ABSENT)
+    monkeypatch.setenv("MARINFS_PART_CHECKSUM", "sha1")
+    with pytest.raises(Exception, match="MARINFS_PART_CHECKSUM"):
+        Remote(url, s3_server.storage_options())
+
+
+def test_a_server_that_does_not_echo_the_crc32c_gets_md5(s3_server: Any, tmp_path: Any) -> None:
+    """A store that takes x-amz-checksum-crc32c without echoing it (so, presumably, without
+    checking it) must not cost us the integrity check: that part goes again with Content-MD5,
+    the upload completes, and later uploads use MD5 from the start."""
+    from marinfs.config import RemoteSettings
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    remote = Remote(url, s3_server.storage_options(), RemoteSettings(upload_part_size=5 << 20))
+    real = remote._direct._put_from_file
+
+    def no_echo(*args: Any) -> Any:
+        answer = real(*args)
+        del answer.headers["x-amz-checksum-crc32c"]
+        return answer
+
+    remote._direct._put_from_file = no_echo
+    src = tmp_path / "big"
+    data = os.urandom((11 << 20) + 1)
+    src.write_bytes(data)
+    remote.stats.reset()
+    remote.upload(str(src), "a", ABSENT)
+    assert remote.fs.cat_file(remote.full("a")) == data and remote.part_checksum == "md5"
+    # create, 3 parts, the first sent again with MD5 (the others too if they were in flight), complete
+    assert 6 <= remote.stats.count("part") <= 8
+    sent = _spy_parts(remote)
+    remote.stats.reset()
+    remote.upload(str(src), "b", ABSENT)
+    assert remote.fs.cat_file(remote.full("b")) == data and remote.stats.count("part") == 5
+    assert all("Content-MD5" in h and "x-amz-checksum-crc32c" not in h for h in sent)

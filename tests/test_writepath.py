@@ -582,3 +582,164 @@ def test_commits_of_odd_names(request: pytest.FixtureRequest, tmp_path: Path, ba
             core.release(fh)
             assert client.cat_file(f"{root}/{name}") == data[:size], name
     assert sorted(os.path.basename(p) for p in client.ls(root, detail=False)) == sorted(names)
+
+
+# -- writes handed down as views of libfuse's buffer ---------------------------------------------
+@pytest.mark.mount  # imports the binding, which loads libfuse
+def test_a_fuse_write_reaches_the_staging_file_as_a_view_of_libfuses_buffer(tmp_path: Path) -> None:
+    """_Fuse.write gives the filesystem a memoryview of the request buffer (no bytes copy),
+    which os.pwrite takes as it is, and releases it on return: a view kept past the call
+    would read memory libfuse reuses."""
+    import ctypes
+
+    from marinfs.fuse_ops import _Fuse
+
+    fd = os.open(tmp_path / "staged", os.O_RDWR | os.O_CREAT, 0o600)
+    got: list[Any] = []
+
+    class Ops:
+        def write(self, path: str | None, data: Any, offset: int, fi: Any) -> int:
+            got.append((path, data, fi))
+            return os.pwrite(fd, data, offset)
+
+    class Fi:
+        fh = 7
+
+    class FiPointer:
+        contents = Fi()
+
+    binding = _Fuse.__new__(_Fuse)  # no mount: only the callback under test
+    binding.operations, binding.encoding, binding.errors = Ops(), "utf-8", "surrogateescape"
+    payload = os.urandom(MiB + 3)
+    raw = (ctypes.c_byte * len(payload)).from_buffer_copy(payload)
+    try:
+        assert binding.write(b"/f", ctypes.cast(raw, ctypes.POINTER(ctypes.c_byte)), len(payload), 5, FiPointer()) \
+            == len(payload)
+        assert binding.write(None, ctypes.cast(raw, ctypes.POINTER(ctypes.c_byte)), 0, 0, FiPointer()) == 0
+        assert os.pread(fd, len(payload), 5) == payload
+        path, view, fi = got[0]
+        assert path == "/f" and isinstance(view, memoryview) and fi.fh == 7
+        with pytest.raises(ValueError):  # released: nobody reads the buffer after the call
+            bytes(view)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.mount
+def test_a_big_write_through_the_mount_is_byte_exact(s3_server: Any, tmp_path: Path) -> None:
+    """Odd-sized writes through FUSE (views of libfuse's buffer into the staging file), parts
+    sent from the staging file while it is written, one part patched after it was sent: the
+    object's sha256 is the writer's, and the parts went with their CRC-32C."""
+    import hashlib
+
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    client, root = fsspec_client(url, {**s3_server.storage_options(), "use_listings_cache": False})
+    mnt = tmp_path / "mnt"
+    code = ("import hashlib, os, random, sys\nrng = random.Random(3)\nh = hashlib.sha256()\n"
+            f"fd = os.open({str(mnt / 'big.bin')!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+            "data = bytearray()\n"
+            "while len(data) < 40 << 20:\n"
+            "    block = rng.randbytes(rng.choice((1 << 20, (1 << 20) + 13, 4093, 300000)))\n"
+            "    os.write(fd, block)\n"
+            "    data += block\n"
+            "patch = rng.randbytes(100)\n"
+            "os.pwrite(fd, patch, 1000)\n"  # into part 0, long since sent
+            "data[1000:1100] = patch\n"
+            "os.close(fd)\n"
+            "print(hashlib.sha256(data).hexdigest())\n")
+    with subprocess_mount(url, mnt, tmp_path / "cache", env=s3_server.env()):
+        out = subprocess.run(["python3", "-c", code], check=True, timeout=300, capture_output=True, text=True)
+        assert hashlib.sha256((mnt / "big.bin").read_bytes()).hexdigest() == out.stdout.strip()
+    assert hashlib.sha256(client.cat_file(f"{root}/big.bin")).hexdigest() == out.stdout.strip()
+    head = client.call_s3("head_object", Bucket=s3_server.bucket, Key=f"{root.split('/', 1)[1]}/big.bin",
+                          ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32C")  # a composite of the parts' CRC-32C: they were sent and checked
+
+
+class SummingSession(FakeSession):
+    """A session that sends from the file and takes the CRC-32C the stream summed (S3's)."""
+
+    checksum = "crc32c"
+
+    def __init__(self, part_size: int) -> None:
+        super().__init__(part_size)
+        self.given: dict[int, list[int | None]] = {}
+
+    def send_range(self, index: int, fd: int, offset: int, length: int, total: int | None = None,
+                   crc32c: int | None = None) -> None:
+        data = os.pread(fd, length, offset)
+        with self._lock:
+            self.given.setdefault(index, []).append(crc32c)
+        self.send(index, data, total)
+
+
+def test_parts_are_summed_as_they_are_written_and_never_with_stale_sums(tmp_path: Path, pool: Any) -> None:
+    """Sequential writes feed each part's CRC-32C (so the part is not read back to be summed);
+    a part written again, out of order or truncated is sent without one (summed from the file),
+    and every sum given is the CRC-32C of the bytes the part holds when it is sent."""
+    import google_crc32c
+
+    fd, session = staging_fd(tmp_path), SummingSession(8)
+    stream = PartStream(fd, lambda: session, 8, pool, max_in_flight=2)
+    data = bytearray(os.urandom(45))
+    for off in range(0, 40, 5):  # parts 0-4 dispatched as they fill, with their sums
+        os.pwrite(fd, data[off:off + 5], off)
+        stream.on_write(off, 5, memoryview(data)[off:off + 5])
+    os.pwrite(fd, b"!", 3)  # a patch of part 0, already sent: resent at commit, summed then
+    stream.on_write(3, 1, b"!")
+    data[3:4] = b"!"
+    os.pwrite(fd, data[40:45], 40)  # after the patch: the running sum has stopped
+    stream.on_write(40, 5, bytes(data[40:45]))
+    assert stream.finish(45)[0]
+    assert session.completed == bytes(data)
+    assert len(session.given[0]) == 2 and session.given[0][1] is None  # sent as written, then again
+    for i in range(1, 5):
+        assert session.given[i] == [google_crc32c.value(bytes(data[8 * i:8 * i + 8]))]
+    assert session.given[5] == [None]  # the tail came after the out-of-order write
+    first = session.given[0][0]
+    assert first is not None and first != google_crc32c.value(bytes(data[:8]))  # summed before the patch...
+    assert session.parts[0] == bytes(data[:8])  # ...so part 0 went again, summed from the file
+
+    fd2, session2 = os.open(tmp_path / "b", os.O_RDWR | os.O_CREAT, 0o600), SummingSession(8)
+    stream2 = PartStream(fd2, lambda: session2, 8, pool)
+    payload = os.urandom(21)
+    os.pwrite(fd2, payload, 0)
+    stream2.on_write(0, 21, payload)
+    assert stream2.finish(21)[0] and session2.completed == payload
+    assert session2.given == {0: [google_crc32c.value(payload[:8])], 1: [google_crc32c.value(payload[8:16])],
+                              2: [google_crc32c.value(payload[16:])]}  # the tail summed as written too
+
+    fd3, session3 = os.open(tmp_path / "c", os.O_RDWR | os.O_CREAT, 0o600), SummingSession(8)
+    stream3 = PartStream(fd3, lambda: session3, 8, pool)
+    os.pwrite(fd3, payload[:12], 0)
+    stream3.on_write(0, 12, payload[:12])
+    os.ftruncate(fd3, 4)  # below what was summed: no sums from there on
+    stream3.on_truncate(4)
+    os.pwrite(fd3, payload[4:21], 4)
+    stream3.on_write(4, 17, payload[4:21])
+    assert stream3.finish(21)[0] and session3.completed == payload
+    assert session3.given[1] == [None] and session3.given[2] == [None]
+
+
+@pytest.mark.objectstore
+def test_a_sequential_write_to_s3_is_summed_as_written_and_seaweedfs_agrees(request: pytest.FixtureRequest,
+                                                                           tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Through the Filesystem core on SeaweedFS (which checks every part's CRC-32C): a file
+    written in order is never read back to be summed, and every sum is right the first time:
+    exactly create, 3 parts, complete, and no part refused."""
+    core, client, root = _core(request, "s3", tmp_path)
+    remote = core.remote
+    digests: list[int] = []
+    real = remote._direct._digest
+    remote._direct._digest = lambda *a: digests.append(1) or real(*a)
+    data = os.urandom((12 << 20) + 5)
+    remote.stats.reset()
+    fh = core.create("/seq.bin", os.O_WRONLY | os.O_CREAT)
+    for off in range(0, len(data), (1 << 20) + 7):  # FUSE-sized writes, not aligned to parts
+        core.write(fh, memoryview(data)[off:off + (1 << 20) + 7], off)
+    core.flush(fh)
+    core.release(fh)
+    assert client.cat_file(f"{root}/seq.bin") == data
+    assert remote.stats.count("part") == 5 and not digests
+    assert not [r for r in caplog.records if "BadDigest" in r.getMessage()]
