@@ -2,7 +2,7 @@
 ``crc32c_extend(crc, pointer, length)`` through ctypes (its extension takes only ``bytes``, so a
 checksum of a reused buffer would otherwise cost a copy). None where the C library is missing.
 
-(chunkcache.py loads the same function for chunk names; this copy serves the upload path.)
+Used by the upload path (part checksums) and the chunk cache (chunk names, in place).
 """
 
 from __future__ import annotations

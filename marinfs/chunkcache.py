@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from marinfs.checksums import crc32c_extend
 from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef, ObjectVersion
 
@@ -54,25 +55,10 @@ except ImportError:  # pragma: no cover - then chunks keep zlib CRC-32 names
     _crc32c = None
 
 
-def _crc32c_at_address() -> Callable[[int, int | bytes, int], int] | None:
-    """google-crc32c's C function ``crc32c_extend(crc, pointer, length)`` through ctypes (its
-    extension takes only ``bytes``): checksums any memory, such as the aligned buffer a chunk is
-    written from, without a copy into a ``bytes``, and without the interpreter lock."""
-    if _crc32c is None:
-        return None
-    try:
-        from google_crc32c import _crc32c as ext
-
-        fn = ctypes.CDLL(ext.__file__).crc32c_extend  # found in the library the extension links
-        fn.argtypes, fn.restype = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint32
-        if fn(0, b"123456789", 9) != 0xE3069283:  # the CRC-32C check value
-            return None
-        return fn
-    except (ImportError, OSError, AttributeError):  # pragma: no cover - then a copy into bytes
-        return None
-
-
-_crc32c_extend = _crc32c_at_address()
+# google-crc32c's C ``crc32c_extend(crc, pointer, length)`` (checksums.py): checksums any memory,
+# such as the aligned buffer a chunk is written from, without a copy into a ``bytes``, and
+# without the interpreter lock.
+_crc32c_extend = crc32c_extend if _crc32c is not None else None
 
 log = logging.getLogger(__name__)
 Buffer = Any  # anything with the buffer protocol: bytes, obstore's Bytes
