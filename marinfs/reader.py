@@ -357,8 +357,7 @@ class ChunkFetcher:
         except BaseException as exc:
             for f in parts.values():
                 f.cancel()
-            failure = exc  # ``exc`` itself is unbound when this block ends
-            self._after(list(parts.values()), lambda: self._failed(ck, future, failure, reserved))
+            self._after(list(parts.values()), lambda: self._failed(ck, future, exc, reserved))
             raise
         dest[:] = buf[offset:offset + len(dest)]
 

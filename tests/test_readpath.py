@@ -562,18 +562,15 @@ def test_a_failed_sub_range_fails_the_read_and_a_short_one_is_eoferror() -> None
 
     fetch = Failing(DATA)
     fetcher = ChunkFetcher(fetch, None, chunk_size=8 * MiB, fetch_into=fetch.into)
-    def wound_down() -> None:  # the failed fetch's other parts have ended (its waiters got the error)
-        deadline = time.monotonic() + 5
-        while fetcher.memory()["reserved"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-
     with pytest.raises(ConnectionError):
         fetcher.read(ref(), 0, 4 * MiB, 10)  # the part under the read failed
-    wound_down()
     # A part the read does not need failed: the read is served, the chunk is not kept, and
     # the next read of that part fetches it again (and fails again).
     assert fetcher.read(ref(), 0, 0, 10) == DATA[:10]
-    wound_down()
+    assert fetcher.settle()
+    deadline = time.monotonic() + 5
+    while fetcher.memory()["reserved"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert fetcher.memory() == {"used": 0, "reserved": 0, "limit": fetcher.memory_bytes, "chunks": 0, "held": 0}
     with pytest.raises(ConnectionError):
         fetcher.read(ref(), 0, 5 * MiB, 10)
