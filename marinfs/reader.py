@@ -163,8 +163,6 @@ class ChunkFetcher:
                 size_ = self._size(obj, index)
                 with self._lock:
                     self._reserved += size_
-                if split and self._demand_parts(obj, index, ck, future, size_, offset, dest):
-                    return  # served from its own parts; the rest of the chunk lands meanwhile
                 self._run(obj, index, ck, future, demand=split, reserved=size_)  # in this thread
         data = future.result()
         with self._lock:
@@ -281,16 +279,17 @@ class ChunkFetcher:
     def _fetch(self, obj: ObjectRef, start: int, end: int, split: bool) -> Any:
         """``[start, end)`` of ``obj``: as one GET, or as up to ``split`` parallel GETs (the
         first one in this thread), into one pooled buffer when the remote can fill one."""
-        bounds = self._parts(start, end) if split else None
-        if bounds is None:
+        step = -(-(end - start) // self.split)
+        if not split or self.split == 1 or step < (1 << 20):
             if self.fetch_into is None:
                 return self.fetch(obj.key, start, end, obj.version)
             buf = self.buffers.take(end - start)
             self.fetch_into(obj.key, start, end, obj.version, buf)
             return buf
-        return self._fetch_split(obj, start, end, bounds)
+        return self._fetch_split(obj, start, end, step)
 
-    def _fetch_split(self, obj: ObjectRef, start: int, end: int, bounds: list[tuple[int, int]]) -> Any:
+    def _fetch_split(self, obj: ObjectRef, start: int, end: int, step: int) -> Any:
+        bounds = [(lo, min(end, lo + step)) for lo in range(start, end, step)]
         if self.fetch_into is None:
             rest = [self._split_pool.submit(self.fetch, obj.key, lo, hi, obj.version) for lo, hi in bounds[1:]]
             try:
@@ -315,83 +314,6 @@ class ChunkFetcher:
             for f in rest:
                 f.cancel()
 
-    def _parts(self, start: int, end: int) -> list[tuple[int, int]] | None:
-        """The sub-ranges a demand fetch of ``[start, end)`` is split into; None: one GET."""
-        step = -(-(end - start) // self.split)
-        if self.split == 1 or step < (1 << 20):
-            return None
-        return [(lo, min(end, lo + step)) for lo in range(start, end, step)]
-
-    def _demand_parts(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], reserved: int,
-                      offset: int, dest: memoryview) -> bool:
-        """A demand miss in parallel sub-ranges, the reader served as soon as the parts under
-        ``dest`` have landed: a random 4 KiB read waits for one 2 MiB GET, not the 8 MiB chunk.
-        The chunk's other parts go on in the demand pool; when the last lands the chunk is
-        in memory and on its way to the disk (``_landed``), as if fetched whole. False (nothing
-        started) when the chunk is not split or cannot be fetched into a buffer."""
-        start = index * self.chunk_size
-        end = min(obj.size, start + self.chunk_size)
-        bounds = self._parts(start, end) if self.fetch_into is not None else None
-        if bounds is None:
-            return False
-        lo_need, hi_need = start + offset, start + offset + len(dest)
-        mine = [i for i, (lo, hi) in enumerate(bounds) if lo < hi_need and hi > lo_need]
-        first = mine[0]
-        into = self.fetch_into
-        buf = self.buffers.take(end - start)  # each GET fills its own slice (see _fetch_split)
-        parts: dict[int, Future[None]] = {}
-        try:
-            for i, (lo, hi) in enumerate(bounds):
-                if i != first:
-                    parts[i] = self._split_pool.submit(into, obj.key, lo, hi, obj.version, buf[lo - start:hi - start])
-        except RuntimeError as exc:  # shut down: the mount is going away
-            for f in parts.values():
-                f.cancel()
-            self._failed(ck, future, exc, reserved)
-            raise
-        try:
-            lo, hi = bounds[first]
-            into(obj.key, lo, hi, obj.version, buf[lo - start:hi - start])
-            for i in mine[1:]:
-                parts[i].result()
-        except BaseException as exc:
-            for f in parts.values():
-                f.cancel()
-            self._after(list(parts.values()), lambda: self._failed(ck, future, exc, reserved))
-            raise
-        dest[:] = buf[offset:offset + len(dest)]
-
-        def complete() -> None:
-            failed = next((f for f in parts.values() if f.cancelled() or f.exception() is not None), None)
-            if failed is None:
-                self._landed(ck, future, buf, reserved, served=len(dest))
-                return
-            exc = failed.exception() if not failed.cancelled() else RuntimeError("the mount is going away")
-            self._failed(ck, future, exc, reserved)
-
-        self._after([f for i, f in parts.items() if i not in mine], complete)
-        return True
-
-    @staticmethod
-    def _after(futures: list[Future[Any]], then: Callable[[], None]) -> None:
-        """Run ``then`` once every one of ``futures`` is done (at once if none is pending)."""
-        pending = [f for f in futures if not f.done()]
-        if not pending:
-            then()
-            return
-        left = [len(pending)]
-        lock = threading.Lock()
-
-        def one(_: Future[Any]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                then()
-
-        for f in pending:
-            f.add_done_callback(one)
-
     def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False,
              reserved: int = 0) -> None:
         start = index * self.chunk_size
@@ -400,17 +322,6 @@ class ChunkFetcher:
             data = self._fetch(obj, start, end, split=demand)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
-        except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
-            self._failed(ck, future, exc, reserved)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        self._landed(ck, future, data, reserved)
-
-    def _landed(self, ck: ChunkKey, future: Future[bytes], data: Any, reserved: int, served: int = 0) -> None:
-        """A fetched chunk: into memory (its reservation becomes use), to its waiters, and
-        queued for the disk cache."""
-        try:
             with self._lock:
                 entry = _Held(data, held=ck in self._hold, writing=self.cache is not None)
                 self._reserved -= reserved
@@ -420,8 +331,6 @@ class ChunkFetcher:
                     self._used -= len(old.data)
                 self._chunks[ck] = entry
                 self._used += len(data)
-                if served:
-                    self._served_locked(ck, entry, served)
                 self._trim_locked()
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
             if self.cache is not None:
@@ -434,8 +343,7 @@ class ChunkFetcher:
                     self._written(ck, entry)
                     self._wrote()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
-            if not future.done():
-                future.set_exception(exc)
+            future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -444,15 +352,6 @@ class ChunkFetcher:
                 self._inflight.pop(ck, None)
                 if future.exception() is not None:
                     self._hold.discard(ck)
-
-    def _failed(self, ck: ChunkKey, future: Future[bytes], exc: BaseException, reserved: int) -> None:
-        """A fetch that failed: every waiter gets ``exc``; the next read fetches again."""
-        if not future.done():
-            future.set_exception(exc)
-        with self._lock:
-            self._reserved -= reserved
-            self._inflight.pop(ck, None)
-            self._hold.discard(ck)
 
     def _put(self, ck: ChunkKey, entry: _Held) -> None:
         try:

@@ -563,64 +563,12 @@ def test_a_failed_sub_range_fails_the_read_and_a_short_one_is_eoferror() -> None
     fetch = Failing(DATA)
     fetcher = ChunkFetcher(fetch, None, chunk_size=8 * MiB, fetch_into=fetch.into)
     with pytest.raises(ConnectionError):
-        fetcher.read(ref(), 0, 4 * MiB, 10)  # the part under the read failed
-    # A part the read does not need failed: the read is served, the chunk is not kept, and
-    # the next read of that part fetches it again (and fails again).
-    assert fetcher.read(ref(), 0, 0, 10) == DATA[:10]
-    assert fetcher.settle()
-    deadline = time.monotonic() + 5
-    while fetcher.memory()["reserved"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fetcher.memory() == {"used": 0, "reserved": 0, "limit": fetcher.memory_bytes, "chunks": 0, "held": 0}
-    with pytest.raises(ConnectionError):
-        fetcher.read(ref(), 0, 5 * MiB, 10)
-    fetcher.close()
+        fetcher.read(ref(), 0, 0, 10)
     short = IntoFetch(DATA, short=True)
     fetcher = ChunkFetcher(short, None, chunk_size=1 * MiB, fetch_into=short.into)
     with pytest.raises(EOFError):
         ObjectReader(ref(), fetcher).read(10, 5 * MiB)
     assert fetcher.memory()["used"] == 0 and fetcher.memory()["reserved"] == 0
-
-
-def test_a_demand_miss_serves_its_reader_when_its_own_part_lands(tmp_path: Path) -> None:
-    """A random read waits for the sub-range under it, not for the whole chunk: the other
-    parts land later, and then the chunk is in memory and on disk as if fetched whole."""
-    gate = threading.Event()
-
-    class Slow(IntoFetch):
-        def into(self, key: str, start: int, end: int, version: str, buf: memoryview) -> None:
-            if start != 2 * MiB:
-                assert gate.wait(10)
-            super().into(key, start, end, version, buf)
-
-    fetch = Slow(DATA)
-    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB), chunk_size=8 * MiB, fetch_into=fetch.into)
-    obj = ref()
-    assert fetcher.read(obj, 0, 3 * MiB, 4096) == DATA[3 * MiB:3 * MiB + 4096]  # before the others
-    assert fetcher.memory()["chunks"] == 0 and fetcher.memory()["reserved"] == 8 * MiB
-    gate.set()
-    deadline = time.monotonic() + 10
-    while fetcher.memory()["chunks"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fetcher.settle()
-    assert sorted(fetch.calls) == [(lo, lo + 2 * MiB) for lo in range(0, 8 * MiB, 2 * MiB)]
-    assert fetcher.memory()["reserved"] == 0 and fetcher.memory()["used"] == 8 * MiB
-    assert fetcher.read(obj, 0, 0, 8 * MiB) == DATA[:8 * MiB]  # from memory: no GET more
-    fetcher.drop_memory()
-    assert fetcher.read(obj, 0, 5 * MiB, 10) == DATA[5 * MiB:5 * MiB + 10]  # from the disk cache
-    assert len(fetch.calls) == 4
-    # A read across two parts waits for both, the one in this thread and one from the pool.
-    gate.clear()
-    other = ref(version="v2")
-    done: list[bytes] = []
-    t = threading.Thread(target=lambda: done.append(fetcher.read(other, 0, 2 * MiB - 5, 10)))
-    t.start()
-    time.sleep(0.2)
-    assert not done  # [2 MiB, 4 MiB) landed at once, [0, 2 MiB) is gated
-    gate.set()
-    t.join(10)
-    assert done == [DATA[2 * MiB - 5:2 * MiB + 5]]
-    fetcher.close()
 
 
 @pytest.mark.parametrize("size", [8 * MiB, 3 * MiB + 123])
