@@ -4,7 +4,6 @@ and on SeaweedFS the same bytes, version checks and preconditions as the s3fs pa
 
 from __future__ import annotations
 
-import http.server
 import os
 import re
 import threading
@@ -20,18 +19,17 @@ from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError
 from marinfs.remote import Remote
 from marinfs.objects import ABSENT
 
+from scripted import ScriptedHandler, serving
+
 BODY = bytes(range(256)) * 4
 
 
-class Scripted(http.server.BaseHTTPRequestHandler):
+class Scripted(ScriptedHandler):
     """Answers each GET with the next scripted behaviour."""
 
     script: list[str] = []
     seen: list[dict[str, str]] = []
     bodies: list[bytes] = []  # of PUTs
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         Scripted.seen.append(dict(self.headers))
@@ -76,26 +74,12 @@ class Scripted(http.server.BaseHTTPRequestHandler):
         else:
             self._send(int(action), b"<Error/>")
 
-    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
 
 @pytest.fixture
 def server() -> Iterator[str]:
     Scripted.script, Scripted.seen, Scripted.bodies = [], [], []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(Scripted) as url:
+        yield url
 
 
 def getter(base: str, signed: list[str], params: list[dict[str, Any]] | None = None) -> S3Http:

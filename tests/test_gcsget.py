@@ -6,9 +6,7 @@ the path is off or refused."""
 
 from __future__ import annotations
 
-import http.server
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,19 +19,18 @@ from marinfs.errors import StaleVersionError
 from marinfs.remote import Remote, is_transient
 from marinfs.remote.gcshttp import GCSHttp, usable
 
+from scripted import ScriptedHandler, serving
+
 BODY = bytes(range(256)) * 4
 GENERATION = "1700000000000001"
 
 
-class Scripted(http.server.BaseHTTPRequestHandler):
+class Scripted(ScriptedHandler):
     """Answers each media GET with the next scripted behaviour, as GCS does (206, Content-Range,
     x-goog-generation)."""
 
     script: list[str] = []
     seen: list[tuple[str, dict[str, str]]] = []
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         Scripted.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
@@ -63,26 +60,12 @@ class Scripted(http.server.BaseHTTPRequestHandler):
         else:
             self._send(int(action), b'{"error": {"message": "scripted"}}')
 
-    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
 
 @pytest.fixture
 def server() -> Iterator[str]:
     Scripted.script, Scripted.seen = [], []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(Scripted) as url:
+        yield url
 
 
 def gcsfs_of(endpoint: str, **options: Any) -> Any:
