@@ -1011,6 +1011,8 @@ def main() -> None:
     ap.add_argument("--py-spy", action="store_true", help="after the rows, one more (unmeasured) cold read "
                     "with py-spy recording the daemon; needs the seq row")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
+    ap.add_argument("--charts", type=Path, default=None, help="write this run's PNG charts here "
+                    "(benchmarks/bench_charts.py; needs matplotlib, the bench extra)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench: needs root (drop_caches, FUSE)")
@@ -1110,6 +1112,11 @@ def main() -> None:
         out_path.write_text(json.dumps(result, indent=1) + "\n")
         out_path.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
         print(f"\nresults: {out_path}")
+        if a.charts:
+            import bench_charts  # benchmarks/bench_charts.py
+
+            for png in bench_charts.render([out_path], a.charts):
+                print(f"chart: {png}")
     finally:
         if env is not None:
             for p in (env.s3_proxy, env.gcs_proxy):
