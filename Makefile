@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test test-fast soak bench bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
+.PHONY: run test test-fast soak bench bench-charts bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null || \
@@ -58,6 +58,14 @@ soak: system-deps venv
 # read/write benchmarks: `make bench-rw`.
 bench: system-deps bench-deps venv $(VENV)/.bench-installed
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
+
+# PNGs of the last data-plane run (benchmarks/bench_charts.py): bench_rate.png and bench_cpu.png from
+# benchmarks/results/bench.json, and bench_latency.png when bench_lat30ms.json is there too (make bench
+# BENCH_ARGS='--latency-ms 30'), into benchmarks/results/. No benchmark runs; seconds.
+BENCH_RESULTS := benchmarks/results
+bench-charts: $(VENV)/.bench-installed
+	$(VENV)/bin/python benchmarks/bench_charts.py $(BENCH_RESULTS)/bench.json \
+	  $(wildcard $(BENCH_RESULTS)/bench_lat30ms.json) --out $(BENCH_RESULTS)
 
 bench-rw: system-deps venv
 	$(VENV)/bin/python benchmarks/read_bench.py
