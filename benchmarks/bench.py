@@ -262,6 +262,7 @@ class Env:
     s3: Any  # servers.S3Server
     res: Results
     s3_proxy: Proxy | None = None
+    s3_metrics_port: int | None = None  # SeaweedFS's Prometheus port: its own request counters
     gcs: Any = None
     gcs_proxy: Proxy | None = None
     fs: Any = None  # python s3fs, through the proxy if any
@@ -382,6 +383,31 @@ def metrics(m: Mount) -> dict[str, Any]:
             if line.startswith("marinfs_cache_used_bytes "):
                 out["cache_used_bytes"] = float(line.split()[1])
     return out
+
+
+def server_requests(env: Env) -> dict[str, float]:
+    """SeaweedFS's own S3 counters: requests by type (every status) and bytes sent. They count a
+    client the harness has no metrics of (the Run:ai streamer), and count marinfs's retries too."""
+    if env.s3_metrics_port is None:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{env.s3_metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        if line.startswith("SeaweedFS_s3_request_total{"):
+            kind = line.split('type="', 1)[1].split('"', 1)[0]
+            out[kind] = out.get(kind, 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("SeaweedFS_s3_bucket_traffic_sent_bytes_total{"):
+            out["sent_bytes"] = out.get("sent_bytes", 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def server_delta(before: dict[str, float], now: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in now.items() if v - before.get(k, 0)}
 
 
 def request_delta(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
@@ -777,13 +803,15 @@ def w_safetensors(env: Env, d: Data, tool: str, rep: int) -> None:
             raise Failure(f"tensor sum {out['sum']:.6g}, expected {d.st_sum:.6g}: wrong bytes")
 
     def load(path: Path, pids: dict[str, int]) -> tuple[float, dict[str, float], dict[str, Any]]:
+        srv = server_requests(env)
         drop_caches()
         w = CpuWatch(pids).start()
         out = child_json(ST_CHILD, str(path))
         _, cpu = w.stop()
         check(out)
         # reader = the loader's CPU over the load itself; the whole process (python, imports) in extra
-        extra = {"api": out["api"], "reader_process_cpu": cpu["reader"]}
+        extra = {"api": out["api"], "reader_process_cpu": cpu["reader"],
+                 "server": server_delta(srv, server_requests(env))}
         cpu["reader"] = round(out["cpu"], 3)
         if out["api"] != "torch":
             extra["note"] = "numpy API (safetensors.numpy): torch is not installed"
@@ -794,16 +822,18 @@ def w_safetensors(env: Env, d: Data, tool: str, rep: int) -> None:
         if missing:
             raise Failure(f"not installed: {', '.join(missing)} (make bench installs them)")
         penv = runai_env(env)
+        srv = server_requests(env)
         drop_caches()
         w = CpuWatch(env.pids(0)).start()  # server (and proxy); the child's CPU comes from itself
         out = child_json(RUNAI_CHILD, f"s3://{env.s3.bucket}/bench/model.safetensors", env=penv)
         _, cpu = w.stop()
         check(out)
+        srv = server_delta(srv, server_requests(env))
         # client = the streamer's process over the stream (its C++ threads included)
         cpu["client"] = round(out["cpu"], 3)
         conc = penv.get("RUNAI_STREAMER_CONCURRENCY", "default")
-        R.add("st_cold", tool, sample(out["seconds"], size, cpu, process_cpu=cpu.pop("reader"),
-                                      note=f"RUNAI_STREAMER_CONCURRENCY {conc}; requests not counted"))
+        R.add("st_cold", tool, sample(out["seconds"], size, cpu, process_cpu=cpu.pop("reader"), server=srv,
+                                      note=f"RUNAI_STREAMER_CONCURRENCY {conc}"))
         return
     if tool == "local":
         secs, cpu, extra = load(d.st_local, {})
@@ -1055,6 +1085,10 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
             gets = [s.extra["remote"]["requests"].get("get") for s in ss if "remote" in s.extra]
             if any(g is not None for g in gets):
                 notes.append("GETs " + "/".join(str(g or 0) for g in gets))
+            srv = [s.extra["server"] for s in ss if "server" in s.extra]
+            if any(srv):  # SeaweedFS's own count, where the harness asked it (model loading)
+                notes.append("server GETs " + "/".join(str(x.get("GET", 0)) for x in srv) + ", MiB sent "
+                             + "/".join(f"{x.get('sent_bytes', 0) / MiB:.0f}" for x in srv))
             if row.key == "mmap":
                 notes.append("client CPU µs/fault " + "/".join(str(s.extra.get("cpu_us_per_fault")) for s in ss))
                 notes.append("majflt " + "/".join(str(s.extra.get("majflt")) for s in ss))
@@ -1121,8 +1155,9 @@ def main() -> None:
     env: Env | None = None
     s3 = None
     try:
-        s3 = servers.start_seaweedfs(tmp / "server")
-        env = Env(a, tmp, shm, s3, R)
+        s3_metrics = servers.free_port()
+        s3 = servers.start_seaweedfs(tmp / "server", extra_args=(f"-metricsPort={s3_metrics}",))
+        env = Env(a, tmp, shm, s3, R, s3_metrics_port=s3_metrics)
         if a.latency_ms:
             env.s3_proxy = start_proxy(s3.endpoint, a.latency_ms, tmp / "proxy-s3.log")
         env.admin = env.s3fs_client(s3.endpoint)
