@@ -46,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from marinfs.buffers import BufferPool
@@ -409,18 +409,35 @@ class ChunkFetcher:
         self._writer.shutdown(wait=True)  # every fetched chunk is on disk before we stop
 
 
+# Sequential streams one handle follows at once (threads of one process reading one open file,
+# or one mapped file's faults: a tensor's halves summed by two threads are two streams), and
+# how many of the handle's reads a stream may go unread before it is forgotten.
+MAX_STREAMS = 4
+STREAM_IDLE_READS = 32
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One sequential reader within a handle, and its readahead."""
+
+    next: int  # where it reads next
+    window: int = 0  # chunks to keep in flight ahead of it
+    ahead: int = -1  # the last chunk index already asked for ahead of it
+    asked: set[int] = field(default_factory=set)  # chunks held for it (see ChunkFetcher.release)
+    read_at: int = 0  # the handle's read count at its last read
+
+
 class ObjectReader:
-    """Serves ``read(size, offset)`` of one object version for one open handle."""
+    """Serves ``read(size, offset)`` of one object version for one open handle: each of up to
+    ``MAX_STREAMS`` sequential streams within it gets its own readahead."""
 
     def __init__(self, obj: ObjectRef, fetcher: ChunkFetcher, max_window: int = 32) -> None:
         self.obj = obj
         self._fetcher = fetcher
         self._max_window = max_window
         self._lock = threading.Lock()
-        self._next = 0  # where a sequential reader reads next
-        self._window = 0  # chunks to keep in flight ahead of the reader
-        self._ahead = -1  # the last chunk index already asked for ahead of the reader
-        self._asked: set[int] = set()  # chunks held for this reader (see ChunkFetcher.release)
+        self._streams: list[_Stream] = [_Stream(next=0)]  # most recently read last
+        self._reads = 0  # reads so far (a stream's age is counted in them)
         chunks = -(-obj.size // fetcher.chunk_size)
         # Random reads touching this many distinct chunks start the sweep (None: never).
         self._dense_at = max(4, chunks // 8) if chunks > 4 and fetcher.sweep_allowed(obj.size) else None
@@ -445,33 +462,38 @@ class ObjectReader:
             return 0
         end = min(offset + size, obj.size)
         first, last = offset // cs, (end - 1) // cs
-        released: set[int] = set()
         with self._lock:
-            fresh = not self._window  # a first read, or the first after a seek
-            # The kernel issues readahead concurrently, so "sequential" tolerates reordering
-            # within a chunk of where the reader was expected.
-            if abs(offset - self._next) <= cs:
-                self._window = min(self._max_window, max(1, self._window * 2))
+            self._reads += 1
+            stream = self._stream_at(offset)
+            if stream is None:
+                # A seek, or a read at random: a stream of its own, no readahead until the
+                # next read shows it sequential.
+                stream = _Stream(next=end)
+                self._streams.append(stream)
+                fresh = True
             else:
-                self._window = 0
-                # A seek: what was held for this reader ahead of its old position is not needed.
-                released, self._asked = self._asked, set()
-            self._next = max(self._next, end) if self._window else end
-            window = self._window
+                fresh = not stream.window  # a first read, or the first after a seek
+                stream.window = min(self._max_window, max(1, stream.window * 2))
+                stream.next = max(stream.next, end)
+                self._streams.remove(stream)
+                self._streams.append(stream)
+            stream.read_at = self._reads
+            window = stream.window
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
-            start = max(last + 1, self._ahead + 1) if window else last + 1
-            self._ahead = max(self._ahead, last + window) if window else last
-            self._asked.update(range(first, last + 1 + window))
+            start = max(last + 1, stream.ahead + 1) if window else last + 1
+            stream.ahead = max(stream.ahead, last + window) if window else last
+            stream.asked.update(range(first, last + 1 + window))
+            released = self._drop_streams_locked(stream)
+            released.difference_update(range(first, last + 1))
             start_sweep = self._dense(first, last, random=not window)
-        released.difference_update(range(first, last + 1))
         if released:
             self._fetcher.release(obj, released)
         for index in range(start, last + 1 + window):
             if not self._fetcher.ahead(obj, index):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
-                    self._ahead = min(self._ahead, index - 1)
-                    self._asked.difference_update(range(index, last + 1 + window))
+                    stream.ahead = min(stream.ahead, index - 1)
+                    stream.asked.difference_update(range(index, last + 1 + window))
                 break
         if start_sweep:
             for _ in range(max(1, self._fetcher.workers // 2)):
@@ -488,6 +510,39 @@ class ObjectReader:
             self._fetcher.read_into(obj, index, lo, dest[pos:pos + hi - lo], split)
             pos += hi - lo
         return n
+
+    def _stream_at(self, offset: int) -> _Stream | None:
+        """The stream a read at ``offset`` continues: one that expected it within a chunk (the
+        kernel issues readahead concurrently, so reads arrive reordered), or that asked for the
+        chunks up to it ahead (a reader skipping forward within its readahead); the nearest."""
+        cs, best = self._fetcher.chunk_size, None
+        for stream in self._streams:
+            if stream.next - cs <= offset <= max(stream.next + cs, (stream.ahead + 1) * cs) and (
+                    best is None or abs(offset - stream.next) < abs(offset - best.next)):
+                best = stream
+        return best
+
+    def _drop_streams_locked(self, current: _Stream) -> set[int]:
+        """Forget streams not read for ``STREAM_IDLE_READS`` reads of the handle, and the least
+        recently read past ``MAX_STREAMS``; answers the chunks held for them alone (their
+        readahead is not needed: a reader that seeks away does not come back for it). A stream
+        with no readahead yet (one read, at random) keeps its place but not its chunk once
+        another stream reads: random reads hold one chunk at a time, as a single stream did."""
+        dropped: list[_Stream] = []
+        while len(self._streams) > MAX_STREAMS:
+            dropped.append(self._streams.pop(0))
+        while len(self._streams) > 1 and self._reads - self._streams[0].read_at > STREAM_IDLE_READS:
+            dropped.append(self._streams.pop(0))
+        for stream in self._streams:
+            if stream is not current and not stream.window and stream.asked:
+                dropped.append(_Stream(next=stream.next, asked=stream.asked))
+                stream.asked = set()
+        if not dropped:
+            return set()
+        released = set().union(*(d.asked for d in dropped))
+        for stream in self._streams:
+            released.difference_update(stream.asked)
+        return released
 
     def _dense(self, first: int, last: int, random: bool) -> bool:
         """Count the chunks random reads touched; True once, when the sweep should start."""
@@ -521,5 +576,7 @@ class ObjectReader:
         """The handle is closed: no more background fetches for it."""
         with self._lock:
             self.closed = True
-            asked, self._asked = self._asked, set()
+            asked = set().union(*(stream.asked for stream in self._streams))
+            for stream in self._streams:
+                stream.asked = set()
         self._fetcher.release(self.obj, asked)
