@@ -5,7 +5,9 @@ An object is read in fixed-size chunks. A chunk comes from memory (chunks fetche
 read lately, within the mount's budget below), else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
 one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
 parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
-chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
+chunks; any seek resets it. A handle follows up to ``MAX_STREAMS`` sequential streams at once,
+each with its own window (threads reading one file at several places, a mapped file faulted by
+several threads). A reader that waits for a chunk nobody fetched yet (the first read,
 a read after a seek) gets it as ``split`` parallel sub-range GETs: one stream of a loopback
 object store delivers 8 MiB in about twice the time parallel streams do.
 
@@ -412,8 +414,8 @@ class ChunkFetcher:
 # Sequential streams one handle follows at once (threads of one process reading one open file,
 # or one mapped file's faults: a tensor's halves summed by two threads are two streams), and
 # how many of the handle's reads a stream may go unread before it is forgotten.
-MAX_STREAMS = 4
-STREAM_IDLE_READS = 32
+MAX_STREAMS = 8
+STREAM_IDLE_READS = 16
 
 
 @dataclass(eq=False)

@@ -660,3 +660,23 @@ def test_two_sequential_streams_of_one_handle_each_get_readahead() -> None:
         assert len(fetcher._hold) <= 1  # the chunk under the last read only
     reader.close()
     fetcher.close()
+
+
+def test_a_stream_left_behind_lets_its_readahead_go() -> None:
+    """A reader that seeks away from its readahead and reads on elsewhere does not keep what
+    was fetched ahead for its old place held (the budget would stay taken): once no read
+    continued that stream for STREAM_IDLE_READS reads, its chunks are released."""
+    from marinfs.reader import STREAM_IDLE_READS
+    data = os.urandom(64 * MiB)
+    fetcher = ChunkFetcher(RecordingFetch(data), None, chunk_size=1 * MiB, memory_bytes=32 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in range(0, 4 * MiB, 256 * KiB):
+        reader.read(256 * KiB, off)
+    ahead_of_first = {k.index for k in fetcher._hold if k.index >= 4}
+    assert ahead_of_first  # readahead held for the first stream
+    for i in range(STREAM_IDLE_READS + 1):
+        off = 40 * MiB + i * 256 * KiB
+        assert reader.read(256 * KiB, off) == data[off:off + 256 * KiB]
+    assert not {k.index for k in fetcher._hold} & ahead_of_first
+    reader.close()
+    fetcher.close()
