@@ -270,9 +270,14 @@ class ChunkCache:
         entry.path.unlink(missing_ok=True)
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: Buffer) -> bool:
+    def put(self, key: ChunkKey, data: Buffer, keep: bool = False) -> bool:
         """Store a chunk (any buffer: ``bytes``, obstore's ``Bytes``). False (and nothing stored)
-        when it cannot fit or the disk says no."""
+        when it cannot fit or the disk says no.
+
+        ``keep``: the chunk will likely be read again in pieces (random reads, a mapped file's
+        faults), so it is written through the page cache, which then serves those reads from
+        memory; otherwise it is written with O_DIRECT (a sequential reader reads it once, and
+        the FUSE file's own page cache holds what it read)."""
         size = len(data)
         ikey = (key.object_id, key.index)
         with self._lock:
@@ -291,7 +296,7 @@ class ChunkCache:
             sub.mkdir(exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(prefix="tmp", dir=sub)  # 0600
             try:
-                crc = self._write(fd, data, c)
+                crc = self._write(fd, data, c, direct=self._direct_io and not keep)
             finally:
                 os.close(fd)
             path = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}"
@@ -311,7 +316,7 @@ class ChunkCache:
             self._index[ikey] = _Entry(path, size, crc, verified=True, c=c)
         return True
 
-    def _write(self, fd: int, data: Buffer, c: bool) -> int:
+    def _write(self, fd: int, data: Buffer, c: bool, direct: bool) -> int:
         """All of ``data`` to ``fd``: the block-aligned bulk with O_DIRECT (from an aligned
         buffer, as it requires: ``data`` itself when it is a writable page-aligned buffer, such
         as the pooled buffer a chunk was fetched into, else a copy in this thread's aligned
@@ -319,7 +324,7 @@ class ChunkCache:
         what was written (CRC-32C if ``c``), taken at the aligned buffer's address where it
         can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
         view = memoryview(data)
-        bulk = len(view) - len(view) % _ALIGN if self._direct_io else 0
+        bulk = len(view) - len(view) % _ALIGN if direct else 0
         crc = None
         if bulk:
             addr = _aligned_address(view)

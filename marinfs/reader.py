@@ -70,6 +70,7 @@ class _Held:
     held: bool  # fetched for a reader that has not read all of it yet: never evicted
     writing: bool  # queued for the disk cache: its memory is taken anyway, and not on disk yet
     served: int = 0  # bytes read from it; a reader that read them all releases it
+    keep: bool = False  # fetched for random reads: cached through the page cache (ChunkCache.put)
 
 
 class ChunkFetcher:
@@ -165,7 +166,8 @@ class ChunkFetcher:
                 size_ = self._size(obj, index)
                 with self._lock:
                     self._reserved += size_
-                self._run(obj, index, ck, future, demand=split, reserved=size_)  # in this thread
+                # A first read or a seek (split) is random access until shown otherwise.
+                self._run(obj, index, ck, future, demand=split, reserved=size_, keep=split)  # in this thread
         data = future.result()
         with self._lock:
             entry = self._chunks.get(ck)
@@ -232,7 +234,7 @@ class ChunkFetcher:
             return None
         future, owner = self._claim(ck)
         if owner:
-            return self._pool.submit(self._run, obj, index, ck, future)
+            return self._pool.submit(self._run, obj, index, ck, future, keep=not advise)
         return None
 
     def release(self, obj: ObjectRef, indices: set[int] | range) -> None:
@@ -317,7 +319,7 @@ class ChunkFetcher:
                 f.cancel()
 
     def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False,
-             reserved: int = 0) -> None:
+             reserved: int = 0, keep: bool = False) -> None:
         start = index * self.chunk_size
         end = min(obj.size, start + self.chunk_size)
         try:
@@ -325,7 +327,7 @@ class ChunkFetcher:
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
-                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None)
+                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None, keep=keep)
                 self._reserved -= reserved
                 reserved = 0
                 old = self._chunks.pop(ck, None)
@@ -358,7 +360,7 @@ class ChunkFetcher:
     def _put(self, ck: ChunkKey, entry: _Held) -> None:
         try:
             assert self.cache is not None
-            self.cache.put(ck, entry.data)  # may refuse (full disk): then memory is all we have
+            self.cache.put(ck, entry.data, keep=entry.keep)  # may refuse (full disk): then memory is all we have
         except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
             log.warning("caching chunk %s failed: %s", ck, exc)
         finally:

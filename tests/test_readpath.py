@@ -680,3 +680,57 @@ def test_a_stream_left_behind_lets_its_readahead_go() -> None:
     assert not {k.index for k in fetcher._hold} & ahead_of_first
     reader.close()
     fetcher.close()
+
+
+class KeepRecordingCache(ChunkCache):
+    """A chunk cache that records, per chunk index, whether it was asked to keep the chunk in
+    the page cache (``put(keep=True)``)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.kept: dict[int, bool] = {}
+
+    def put(self, key: ChunkKey, data: object, keep: bool = False) -> bool:  # type: ignore[override]
+        self.kept[key.index] = keep
+        return super().put(key, data, keep=keep)  # type: ignore[arg-type]
+
+
+def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk fetched for a random read (a demand miss, the sweep) is written buffered, so the
+    page cache serves the random reads that follow (a mapped file's faults); chunks fetched
+    ahead of a sequential reader keep O_DIRECT (read once; the FUSE file's page cache has them)."""
+    real, direct = os.pwrite, []
+
+    def recording(fd: int, data: object, offset: int) -> int:
+        direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return real(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", recording)
+    cache = ChunkCache(tmp_path / "c", 64 * MiB)
+    assert cache.put(key(1), DATA[:MiB], keep=True) and direct and not any(direct)
+    direct.clear()
+    assert cache.put(key(2), DATA[:MiB]) and direct and all(direct)
+    assert cache.read(key(1), 0, MiB) == DATA[:MiB] == cache.read(key(2), 0, MiB)
+    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", real)
+
+    seq_cache = KeepRecordingCache(tmp_path / "seq", 256 * MiB)
+    fetcher = ChunkFetcher(RecordingFetch(DATA), seq_cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(), fetcher)
+    for off in range(0, len(DATA), 128 * KiB):
+        assert reader.read(128 * KiB, off) == DATA[off:off + 128 * KiB]
+    fetcher.close()
+    assert len(seq_cache.kept) == 20 and not seq_cache.kept[19]  # readahead chunks: O_DIRECT
+    assert sum(seq_cache.kept.values()) == 1  # the first read (a demand miss) alone: kept
+
+    data = os.urandom(64 * MiB)
+    rnd_cache = KeepRecordingCache(tmp_path / "rnd", 256 * MiB)
+    fetcher = ChunkFetcher(RecordingFetch(data), rnd_cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for i in [37, 3, 55, 12, 60, 21, 44, 8]:  # an eighth of the chunks: the sweep fetches the rest
+        assert reader.read(4096, i * MiB + 100) == data[i * MiB + 100:i * MiB + 4196]
+    deadline = time.monotonic() + 10
+    while len(rnd_cache.kept) < 64 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fetcher.close()
+    assert len(rnd_cache.kept) == 64 and all(rnd_cache.kept.values())
