@@ -417,6 +417,7 @@ class ChunkFetcher:
 # or one mapped file's faults: a tensor's halves summed by two threads are two streams), and
 # how many of the handle's reads a stream may go unread before it is forgotten.
 MAX_STREAMS = 8
+MAX_RANDOM_STREAMS = 4  # of them with one read so far (a random read, or a seek not yet continued)
 STREAM_IDLE_READS = 16
 
 
@@ -518,10 +519,13 @@ class ObjectReader:
     def _stream_at(self, offset: int) -> _Stream | None:
         """The stream a read at ``offset`` continues: one that expected it within a chunk (the
         kernel issues readahead concurrently, so reads arrive reordered), or that asked for the
-        chunks up to it ahead (a reader skipping forward within its readahead); the nearest."""
+        chunks up to it ahead (a reader skipping forward within its readahead); the nearest. A
+        stream of one read so far is continued only forward: a random reader coming back to a
+        place it read before is not reading sequentially."""
         cs, best = self._fetcher.chunk_size, None
         for stream in self._streams:
-            if stream.next - cs <= offset <= max(stream.next + cs, (stream.ahead + 1) * cs) and (
+            lo = stream.next - cs if stream.window else stream.next
+            if lo <= offset <= max(stream.next + cs, (stream.ahead + 1) * cs) and (
                     best is None or abs(offset - stream.next) < abs(offset - best.next)):
                 best = stream
         return best
@@ -535,6 +539,10 @@ class ObjectReader:
         dropped: list[_Stream] = []
         while len(self._streams) > MAX_STREAMS:
             dropped.append(self._streams.pop(0))
+        random = [stream for stream in self._streams if not stream.window and stream is not current]
+        for stream in random[:max(0, len(random) - MAX_RANDOM_STREAMS + 1)]:
+            self._streams.remove(stream)  # a random reader's: more would only catch stray reads
+            dropped.append(stream)
         while len(self._streams) > 1 and self._reads - self._streams[0].read_at > STREAM_IDLE_READS:
             dropped.append(self._streams.pop(0))
         for stream in self._streams:
