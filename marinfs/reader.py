@@ -5,9 +5,7 @@ An object is read in fixed-size chunks. A chunk comes from memory (chunks fetche
 read lately, within the mount's budget below), else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
 one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
 parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
-chunks; any seek resets it. A handle follows up to ``MAX_STREAMS`` sequential streams at once,
-each with its own window (threads reading one file at several places, a mapped file faulted by
-several threads). A reader that waits for a chunk nobody fetched yet (the first read,
+chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
 a read after a seek) gets it as ``split`` parallel sub-range GETs: one stream of a loopback
 object store delivers 8 MiB in about twice the time parallel streams do.
 
@@ -48,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from marinfs.buffers import BufferPool
@@ -413,36 +411,18 @@ class ChunkFetcher:
         self._writer.shutdown(wait=True)  # every fetched chunk is on disk before we stop
 
 
-# Sequential streams one handle follows at once (threads of one process reading one open file,
-# or one mapped file's faults: a tensor's halves summed by two threads are two streams), and
-# how many of the handle's reads a stream may go unread before it is forgotten.
-MAX_STREAMS = 8
-MAX_RANDOM_STREAMS = 4  # of them with one read so far (a random read, or a seek not yet continued)
-STREAM_IDLE_READS = 16
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One sequential reader within a handle, and its readahead."""
-
-    next: int  # where it reads next
-    window: int = 0  # chunks to keep in flight ahead of it
-    ahead: int = -1  # the last chunk index already asked for ahead of it
-    asked: set[int] = field(default_factory=set)  # chunks held for it (see ChunkFetcher.release)
-    read_at: int = 0  # the handle's read count at its last read
-
-
 class ObjectReader:
-    """Serves ``read(size, offset)`` of one object version for one open handle: each of up to
-    ``MAX_STREAMS`` sequential streams within it gets its own readahead."""
+    """Serves ``read(size, offset)`` of one object version for one open handle."""
 
     def __init__(self, obj: ObjectRef, fetcher: ChunkFetcher, max_window: int = 32) -> None:
         self.obj = obj
         self._fetcher = fetcher
         self._max_window = max_window
         self._lock = threading.Lock()
-        self._streams: list[_Stream] = [_Stream(next=0)]  # most recently read last
-        self._reads = 0  # reads so far (a stream's age is counted in them)
+        self._next = 0  # where a sequential reader reads next
+        self._window = 0  # chunks to keep in flight ahead of the reader
+        self._ahead = -1  # the last chunk index already asked for ahead of the reader
+        self._asked: set[int] = set()  # chunks held for this reader (see ChunkFetcher.release)
         chunks = -(-obj.size // fetcher.chunk_size)
         # Random reads touching this many distinct chunks start the sweep (None: never).
         self._dense_at = max(4, chunks // 8) if chunks > 4 and fetcher.sweep_allowed(obj.size) else None
@@ -467,38 +447,33 @@ class ObjectReader:
             return 0
         end = min(offset + size, obj.size)
         first, last = offset // cs, (end - 1) // cs
+        released: set[int] = set()
         with self._lock:
-            self._reads += 1
-            stream = self._stream_at(offset)
-            if stream is None:
-                # A seek, or a read at random: a stream of its own, no readahead until the
-                # next read shows it sequential.
-                stream = _Stream(next=end)
-                self._streams.append(stream)
-                fresh = True
+            fresh = not self._window  # a first read, or the first after a seek
+            # The kernel issues readahead concurrently, so "sequential" tolerates reordering
+            # within a chunk of where the reader was expected.
+            if abs(offset - self._next) <= cs:
+                self._window = min(self._max_window, max(1, self._window * 2))
             else:
-                fresh = not stream.window  # a first read, or the first after a seek
-                stream.window = min(self._max_window, max(1, stream.window * 2))
-                stream.next = max(stream.next, end)
-                self._streams.remove(stream)
-                self._streams.append(stream)
-            stream.read_at = self._reads
-            window = stream.window
+                self._window = 0
+                # A seek: what was held for this reader ahead of its old position is not needed.
+                released, self._asked = self._asked, set()
+            self._next = max(self._next, end) if self._window else end
+            window = self._window
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
-            start = max(last + 1, stream.ahead + 1) if window else last + 1
-            stream.ahead = max(stream.ahead, last + window) if window else last
-            stream.asked.update(range(first, last + 1 + window))
-            released = self._drop_streams_locked(stream)
-            released.difference_update(range(first, last + 1))
+            start = max(last + 1, self._ahead + 1) if window else last + 1
+            self._ahead = max(self._ahead, last + window) if window else last
+            self._asked.update(range(first, last + 1 + window))
             start_sweep = self._dense(first, last, random=not window)
+        released.difference_update(range(first, last + 1))
         if released:
             self._fetcher.release(obj, released)
         for index in range(start, last + 1 + window):
             if not self._fetcher.ahead(obj, index):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
-                    stream.ahead = min(stream.ahead, index - 1)
-                    stream.asked.difference_update(range(index, last + 1 + window))
+                    self._ahead = min(self._ahead, index - 1)
+                    self._asked.difference_update(range(index, last + 1 + window))
                 break
         if start_sweep:
             for _ in range(max(1, self._fetcher.workers // 2)):
@@ -515,46 +490,6 @@ class ObjectReader:
             self._fetcher.read_into(obj, index, lo, dest[pos:pos + hi - lo], split)
             pos += hi - lo
         return n
-
-    def _stream_at(self, offset: int) -> _Stream | None:
-        """The stream a read at ``offset`` continues: one that expected it within a chunk (the
-        kernel issues readahead concurrently, so reads arrive reordered), or that asked for the
-        chunks up to it ahead (a reader skipping forward within its readahead); the nearest. A
-        stream of one read so far is continued only forward: a random reader coming back to a
-        place it read before is not reading sequentially."""
-        cs, best = self._fetcher.chunk_size, None
-        for stream in self._streams:
-            lo = stream.next - cs if stream.window else stream.next
-            if lo <= offset <= max(stream.next + cs, (stream.ahead + 1) * cs) and (
-                    best is None or abs(offset - stream.next) < abs(offset - best.next)):
-                best = stream
-        return best
-
-    def _drop_streams_locked(self, current: _Stream) -> set[int]:
-        """Forget streams not read for ``STREAM_IDLE_READS`` reads of the handle, and the least
-        recently read past ``MAX_STREAMS``; answers the chunks held for them alone (their
-        readahead is not needed: a reader that seeks away does not come back for it). A stream
-        with no readahead yet (one read, at random) keeps its place but not its chunk once
-        another stream reads: random reads hold one chunk at a time, as a single stream did."""
-        dropped: list[_Stream] = []
-        while len(self._streams) > MAX_STREAMS:
-            dropped.append(self._streams.pop(0))
-        random = [stream for stream in self._streams if not stream.window and stream is not current]
-        for stream in random[:max(0, len(random) - MAX_RANDOM_STREAMS + 1)]:
-            self._streams.remove(stream)  # a random reader's: more would only catch stray reads
-            dropped.append(stream)
-        while len(self._streams) > 1 and self._reads - self._streams[0].read_at > STREAM_IDLE_READS:
-            dropped.append(self._streams.pop(0))
-        for stream in self._streams:
-            if stream is not current and not stream.window and stream.asked:
-                dropped.append(_Stream(next=stream.next, asked=stream.asked))
-                stream.asked = set()
-        if not dropped:
-            return set()
-        released = set().union(*(d.asked for d in dropped))
-        for stream in self._streams:
-            released.difference_update(stream.asked)
-        return released
 
     def _dense(self, first: int, last: int, random: bool) -> bool:
         """Count the chunks random reads touched; True once, when the sweep should start."""
@@ -588,7 +523,5 @@ class ObjectReader:
         """The handle is closed: no more background fetches for it."""
         with self._lock:
             self.closed = True
-            asked = set().union(*(stream.asked for stream in self._streams))
-            for stream in self._streams:
-                stream.asked = set()
+            asked, self._asked = self._asked, set()
         self._fetcher.release(self.obj, asked)

@@ -630,58 +630,6 @@ def test_the_pool_unmaps_only_buffers_idle_long_enough() -> None:
     assert bytes(view) == b"x" * 10 and pool.allocated == 4
 
 
-def test_two_sequential_streams_of_one_handle_each_get_readahead() -> None:
-    """Two threads reading one open file at two places (a mapped model's tensor halves summed
-    in parallel) are two sequential streams: each gets readahead, though their reads alternate;
-    a random reader still holds one chunk at a time."""
-    data = os.urandom(64 * MiB)
-    fetch = RecordingFetch(data)
-    fetcher = ChunkFetcher(fetch, None, chunk_size=1 * MiB, memory_bytes=64 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    step = 256 * KiB
-    for i in range(12):  # 3 MiB each, alternating
-        for base in (0, 32 * MiB):
-            off = base + i * step
-            assert reader.read(step, off) == data[off:off + step]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (
-            any(4 * MiB <= s < 32 * MiB for s, _ in fetch.calls) and any(s >= 36 * MiB for s, _ in fetch.calls)):
-        time.sleep(0.01)
-    starts = sorted(s for s, _ in fetch.calls)
-    assert any(4 * MiB <= s < 32 * MiB for s in starts), starts  # ahead of the first stream
-    assert any(s >= 36 * MiB for s in starts), starts  # ahead of the second
-    reader.close()
-    fetcher.close()
-
-    fetcher = ChunkFetcher(RecordingFetch(data), None, chunk_size=1 * MiB, memory_bytes=64 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    for i in [37, 3, 55, 12, 60, 21, 44, 8, 30, 50]:
-        assert reader.read(4096, i * MiB + 100) == data[i * MiB + 100:i * MiB + 4196]
-        assert len(fetcher._hold) <= 1  # the chunk under the last read only
-    reader.close()
-    fetcher.close()
-
-
-def test_a_stream_left_behind_lets_its_readahead_go() -> None:
-    """A reader that seeks away from its readahead and reads on elsewhere does not keep what
-    was fetched ahead for its old place held (the budget would stay taken): once no read
-    continued that stream for STREAM_IDLE_READS reads, its chunks are released."""
-    from marinfs.reader import STREAM_IDLE_READS
-    data = os.urandom(64 * MiB)
-    fetcher = ChunkFetcher(RecordingFetch(data), None, chunk_size=1 * MiB, memory_bytes=32 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    for off in range(0, 4 * MiB, 256 * KiB):
-        reader.read(256 * KiB, off)
-    ahead_of_first = {k.index for k in fetcher._hold if k.index >= 4}
-    assert ahead_of_first  # readahead held for the first stream
-    for i in range(STREAM_IDLE_READS + 1):
-        off = 40 * MiB + i * 256 * KiB
-        assert reader.read(256 * KiB, off) == data[off:off + 256 * KiB]
-    assert not {k.index for k in fetcher._hold} & ahead_of_first
-    reader.close()
-    fetcher.close()
-
-
 class KeepRecordingCache(ChunkCache):
     """A chunk cache that records, per chunk index, whether it was asked to keep the chunk in
     the page cache (``put(keep=True)``)."""
