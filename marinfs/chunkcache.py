@@ -139,6 +139,7 @@ class ChunkCache:
         os.chmod(cache_dir, 0o700)
         self.dir.mkdir(exist_ok=True, mode=0o700)
         self._direct_io = hasattr(os, "O_DIRECT")
+        self._direct_read = self._direct_io
         self._local = threading.local()  # each writing thread's aligned O_DIRECT buffer
         self._lock_fd: int | None = None
         if lock:
@@ -233,6 +234,51 @@ class ChunkCache:
             return False
         self._hit()
         return True
+
+    def load_into(self, key: ChunkKey, dest: memoryview) -> int | None:
+        """The whole chunk into ``dest`` (a pooled buffer: page-aligned, the chunk's size rounded
+        up to 4 KiB at least) with O_DIRECT: the disk's DMA fills it, no page cache is filled
+        and no copy made (a sequential reader's warm chunk is then served from memory, as a
+        fetched one). Answers the chunk's size; None on a miss, or a chunk file cut short or
+        failing its checksum (discarded, as ``read_into`` does). Buffered where the cache's
+        filesystem has no O_DIRECT."""
+        ikey = (key.object_id, key.index)
+        with self._lock:
+            entry = self._index.get(ikey)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(ikey)
+            verified = entry.verified
+        size = entry.size
+        aligned = -(-size // _ALIGN) * _ALIGN
+        if len(dest) < aligned or _aligned_address(dest) is None:
+            raise ValueError("load_into needs a page-aligned buffer of the chunk's size rounded up to 4 KiB")
+        try:
+            fd = self._open_direct(entry.path)
+            try:
+                n = os.preadv(fd, [dest[:aligned]], 0)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            self._discard(ikey, entry)
+            return None
+        if n != size or (not verified and _checksum_at(dest, size, entry.c) != entry.crc):
+            self._discard(ikey, entry, corrupt=True)
+            return None
+        entry.verified = True
+        self._hit()
+        return size
+
+    def _open_direct(self, path: Path) -> int:
+        if self._direct_read:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_read = False  # this filesystem has no O_DIRECT: buffered from now on
+        return os.open(path, os.O_RDONLY)
 
     def advise(self, key: ChunkKey) -> None:
         """Start reading a cached chunk from disk in the background (it is about to be read)."""
@@ -406,6 +452,14 @@ def _aligned_address(view: memoryview) -> int | None:
         return None
     addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return addr if addr % mmap.PAGESIZE == 0 else None
+
+
+def _checksum_at(view: memoryview, size: int, c: bool) -> int:
+    """The checksum of ``view[:size]``, a writable buffer: CRC-32C taken at its address where
+    the C library is there (no copy, the GIL released), else through ``_checksum``."""
+    if c and _crc32c_extend is not None:
+        return _crc32c_extend(0, ctypes.addressof(ctypes.c_char.from_buffer(view)), size)
+    return _checksum(view[:size], c)
 
 
 def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:

@@ -193,9 +193,10 @@ class ChunkFetcher:
                     entry.held = True
                 self._hold.add(ck)
                 return True
-        if self.cache is not None and self.cache.contains(ck):
-            self.cache.advise(ck)  # a warm read: have the disk read the chunk ahead too
-            return True
+        # A chunk in the disk cache is loaded into memory ahead of the reader like a fetched one,
+        # with O_DIRECT (ChunkCache.load_into): the disk fills the buffer, no page cache is filled
+        # and read back, and the reader's reads are served from memory.
+        cached = self.cache is not None and self.cache.contains(ck)
         size = self._size(obj, index)
         with self._lock:
             if not self._room_locked(size):
@@ -208,7 +209,7 @@ class ChunkFetcher:
                 self._reserved -= size
             return True
         try:
-            self._pool.submit(self._run, obj, index, ck, future, reserved=size)
+            self._pool.submit(self._run, obj, index, ck, future, reserved=size, cached=cached)
         except BaseException:
             with self._lock:
                 self._reserved -= size
@@ -317,15 +318,20 @@ class ChunkFetcher:
                 f.cancel()
 
     def _run(self, obj: ObjectRef, index: int, ck: ChunkKey, future: Future[bytes], demand: bool = False,
-             reserved: int = 0, keep: bool = False) -> None:
+             reserved: int = 0, keep: bool = False, cached: bool = False) -> None:
+        """Fetch chunk ``index`` (``cached``: load it from the disk cache, fetched only if it is not
+        there after all) into memory, answer ``future`` with it, and queue it for the disk cache."""
         start = index * self.chunk_size
         end = min(obj.size, start + self.chunk_size)
         try:
-            data = self._fetch(obj, start, end, split=demand)
+            data = self._load(ck, end - start) if cached else None
+            loaded = data is not None
+            if data is None:
+                data = self._fetch(obj, start, end, split=demand)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
-                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None, keep=keep)
+                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep)
                 self._reserved -= reserved
                 reserved = 0
                 old = self._chunks.pop(ck, None)
@@ -335,7 +341,7 @@ class ChunkFetcher:
                 self._used += len(data)
                 self._trim_locked()
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
-            if self.cache is not None:
+            if self.cache is not None and not loaded:
                 self._writes.acquire()
                 with self._settled:
                     self._pending_writes += 1
@@ -354,6 +360,19 @@ class ChunkFetcher:
                 self._inflight.pop(ck, None)
                 if future.exception() is not None:
                     self._hold.discard(ck)
+
+    def _load(self, ck: ChunkKey, size: int) -> Any:
+        """Chunk ``ck`` (``size`` bytes) from the disk cache into a pooled buffer; None if the
+        cache no longer has it whole and sound."""
+        assert self.cache is not None
+        buf = self.buffers.take(self.chunk_size)  # O_DIRECT reads whole blocks: room for the tail's
+        try:
+            if self.cache.load_into(ck, buf) != size:
+                return None
+        except OSError as exc:  # the disk failed us: the remote still has it
+            log.warning("loading cached chunk %s failed: %s", ck, exc)
+            return None
+        return buf[:size]
 
     def _put(self, ck: ChunkKey, entry: _Held) -> None:
         try:

@@ -682,3 +682,44 @@ def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
         time.sleep(0.01)
     fetcher.close()
     assert len(rnd_cache.kept) == 64 and all(rnd_cache.kept.values())
+
+
+def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ahead of a sequential reader, chunks already in the disk cache are loaded into memory
+    with O_DIRECT (no page cache filled and read back) and served from there, no GET; one
+    whose file was damaged while the daemon was down fails its checksum there and is fetched
+    again, never served."""
+    data = os.urandom(24 * MiB + 5)
+    fetch = RecordingFetch(data)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 256 * MiB), chunk_size=4 * MiB, memory_bytes=32 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in range(0, len(data), MiB):
+        reader.read(MiB, off)
+    reader.close()
+    fetcher.settle()
+    fetcher.close()
+    fetcher.cache.close()  # type: ignore[union-attr]
+    damaged = next(p for p in (tmp_path / "chunks").rglob("*-3-*"))
+    raw = bytearray(damaged.read_bytes())
+    raw[100] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+
+    real_open, opened = os.open, []
+
+    def recording(path: object, flags: int, *args: object) -> int:
+        opened.append((str(path), bool(flags & os.O_DIRECT)))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("marinfs.chunkcache.os.open", recording)
+    fetch.calls.clear()
+    cache = ChunkCache(tmp_path, 256 * MiB)  # restarted: chunks unverified
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=4 * MiB, memory_bytes=32 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    got = b"".join(reader.read(MiB, off) for off in range(0, len(data), MiB))
+    assert got == data
+    assert fetch.calls == [(12 * MiB, 16 * MiB)]  # the damaged chunk alone, fetched again
+    assert cache.stats.corrupt == 1
+    direct = {p.rsplit("/", 1)[1].split("-")[1] for p, d in opened if d}
+    assert {"1", "2", "4", "5", "6"} <= direct  # chunks ahead of the reader: loaded with O_DIRECT
+    reader.close()
+    fetcher.close()
