@@ -401,6 +401,8 @@ class ChunkCache:
                 tail = view[bulk:].tobytes()
                 crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
         _write_all(fd, view[bulk:], offset=bulk)
+        if crc is None and c and not bulk and view.nbytes and not view.readonly and view.c_contiguous:
+            crc = _checksum_at(view, view.nbytes, c)  # written buffered (a random read's): no copy either
         return crc if crc is not None else _checksum(data, c)
 
     def _evict_locked(self, incoming: int) -> bool:
