@@ -30,6 +30,19 @@ import time
 PAGE = mmap.PAGESIZE
 
 
+def _anonymous(size: int) -> mmap.mmap:
+    """A private anonymous mapping, in huge pages where the kernel gives them (THP ``madvise``
+    mode): its first touch costs a fault per 2 MiB, not per 4 KiB page (2,048 for 8 MiB)."""
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:  # no THP in this kernel: small pages, as before
+            pass
+    return mm
+
+
 class BufferPool:
     """Idle page-aligned buffers of ``size`` bytes, at most ``keep`` of them."""
 
@@ -67,7 +80,7 @@ class BufferPool:
             else:
                 self.allocated += 1
         if mm is None:
-            mm = mmap.mmap(-1, self.size)
+            mm = _anonymous(self.size)
         array = self._array.from_buffer(mm)
         array._mm = mm
         return memoryview(array).cast("B")[:length]
