@@ -180,9 +180,11 @@ class ChunkFetcher:
             entry.held = False  # read through: in the page cache now, and on disk soon
             self._hold.discard(ck)
 
-    def ahead(self, obj: ObjectRef, index: int) -> bool:
+    def ahead(self, obj: ObjectRef, index: int, load: bool = True) -> bool:
         """Fetch chunk ``index`` ahead of a sequential reader, held for it, if the mount's
-        budget has room for it. False when it has not (nothing started): ask again later."""
+        budget has room for it. False when it has not (nothing started): ask again later.
+        ``load``: a chunk the disk cache has is loaded into memory (below); else the disk is
+        only asked to read it ahead, for a reader that may not be sequential after all."""
         if index * self.chunk_size >= obj.size:
             return True
         ck = self.chunk_key(obj, index)
@@ -197,6 +199,9 @@ class ChunkFetcher:
         # with O_DIRECT (ChunkCache.load_into): the disk fills the buffer, no page cache is filled
         # and read back, and the reader's reads are served from memory.
         cached = self.cache is not None and self.cache.contains(ck)
+        if cached and not load:
+            self.cache.advise(ck)  # type: ignore[union-attr]
+            return True
         size = self._size(obj, index)
         with self._lock:
             if not self._room_locked(size):
@@ -488,7 +493,10 @@ class ObjectReader:
         if released:
             self._fetcher.release(obj, released)
         for index in range(start, last + 1 + window):
-            if not self._fetcher.ahead(obj, index):
+            # One read after another nearby is not yet a sequential reader (random reads land
+            # near each other now and then): its cached chunk is read ahead by the disk, not
+            # loaded whole; from the third such read on, it is.
+            if not self._fetcher.ahead(obj, index, load=window > 1):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
                     self._ahead = min(self._ahead, index - 1)

@@ -720,6 +720,19 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     assert fetch.calls == [(12 * MiB, 16 * MiB)]  # the damaged chunk alone, fetched again
     assert cache.stats.corrupt == 1
     direct = {p.rsplit("/", 1)[1].split("-")[1] for p, d in opened if d}
-    assert {"1", "2", "4", "5", "6"} <= direct  # chunks ahead of the reader: loaded with O_DIRECT
+    assert {"2", "4", "5", "6"} <= direct  # chunks ahead of the reader: loaded with O_DIRECT
+    assert "1" not in direct  # asked for after one read only: read ahead by the disk instead
+    reader.close()
+    fetcher.close()
+
+    # A random reader whose next read lands near its last is not loading a file: the chunk
+    # after is not loaded whole (the disk is asked to read it ahead, nothing more).
+    opened.clear()
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=4 * MiB, memory_bytes=32 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in (20 * MiB + 5, 8 * MiB + 100, 8 * MiB + 200 * KiB):
+        assert reader.read(4096, off) == data[off:off + 4096]
+    fetcher.settle()
+    assert not any(d for _, d in opened)
     reader.close()
     fetcher.close()
