@@ -493,9 +493,10 @@ class ObjectReader:
         if released:
             self._fetcher.release(obj, released)
         for index in range(start, last + 1 + window):
-            # One read after another nearby is not yet a sequential reader (random reads land
-            # near each other now and then): its cached chunk is read ahead by the disk, not
-            # loaded whole; from the third such read on, it is.
+            # A window of one chunk (the first read of a file, or one read near the last after
+            # a seek: random reads land near each other now and then) is not yet a sequential
+            # reader: its cached chunk is read ahead by the disk, not loaded whole; once the
+            # window has grown past one chunk, it is.
             if not self._fetcher.ahead(obj, index, load=window > 1):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
