@@ -30,8 +30,12 @@ run: system-deps venv
 	      "stop with Ctrl-C or: $(VENV)/bin/marinfs umount $(abspath $(MOUNT))"
 	$(VENV)/bin/marinfs mount "$(REMOTE)" "$(MOUNT)" --foreground
 
+# Two workers (pytest-xdist), each test file on one of them with its own SeaweedFS and
+# fake-gcs-server: most of the suite waits (TTL windows, servers down, retries), so two halve
+# it on 2 cores. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: system-deps venv
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # The unit and core tiers (docs/architecture.md, Tests): no FUSE mount, no object-store server,
 # so no fuse3 either; a test of these tiers that tries to mount fails (tests/tiers.py).
