@@ -13,7 +13,8 @@ A handle that reads at random but densely (it has touched an eighth of a file's 
 loaded through mmap, tensor by tensor, out of file order) will read most of the file: its other
 chunks are fetched in the background, in file order, by lanes that each fetch the next chunk once the last
 one landed (half the prefetch workers; the rest stay for other readers), until the file is done
-or the handle closed; only when the disk cache can hold the whole file twice over. At worst
+or the handle closed; only when the disk cache can hold the whole file twice over. Chunks the
+disk cache has already are read into the page cache by the kernel instead (the warm load). At worst
 that fetches eight times what the reader had asked for already.
 
 Memory is one byte budget for the whole mount (``memory_bytes``), not a window per handle:
@@ -223,9 +224,13 @@ class ChunkFetcher:
             raise
         return True
 
-    def prefetch(self, obj: ObjectRef, index: int, advise: bool = True) -> Future[None] | None:
-        """Start fetching chunk ``index`` in the background unless it is cached or under way
-        (for the disk cache: not held, outside the budget); answers the task if one was started."""
+    def prefetch(self, obj: ObjectRef, index: int) -> Future[None] | None:
+        """For the sweep (a dense random reader): start getting chunk ``index`` in the
+        background unless it is in memory or under way (not held, outside the budget); answers
+        the task if one was started. A chunk not cached is fetched and cached through the page
+        cache (random reads follow); a cached one is read into the page cache by the kernel, in
+        file order and in large reads (``advise``: a warm model load through mmap otherwise
+        reads each chunk file from the disk in the small pieces its page faults ask for)."""
         if index * self.chunk_size >= obj.size:
             return None
         ck = self.chunk_key(obj, index)
@@ -233,12 +238,12 @@ class ChunkFetcher:
             if ck in self._chunks or ck in self._inflight:
                 return None
         if self.cache is not None and self.cache.contains(ck):
-            if advise:
-                self.cache.advise(ck)
-            return None
+            # In a worker: WILLNEED returns once the reads are submitted to the disk, so the lanes
+            # go at about the disk's pace and a FUSE thread never waits for it.
+            return self._pool.submit(self.cache.advise, ck)
         future, owner = self._claim(ck)
         if owner:
-            return self._pool.submit(self._run, obj, index, ck, future, keep=not advise)
+            return self._pool.submit(self._run, obj, index, ck, future, keep=True)
         return None
 
     def release(self, obj: ObjectRef, indices: set[int] | range) -> None:
@@ -530,9 +535,9 @@ class ObjectReader:
         return True
 
     def _sweep_on(self, _done: object = None) -> None:
-        """One lane of the sweep: fetch the next chunk not cached yet, then the next (half the
-        prefetch workers run lanes, so other readers' readahead keeps the rest). Ends at the end
-        of the file or when the handle is closed."""
+        """One lane of the sweep: get the next chunk (fetched, or read ahead from the disk cache),
+        then the next (half the prefetch workers run lanes, so other readers' readahead keeps the
+        rest). Ends at the end of the file or when the handle is closed."""
         chunks = -(-self.obj.size // self._fetcher.chunk_size)
         while True:
             with self._lock:
@@ -540,7 +545,7 @@ class ObjectReader:
                     return
                 index, self._sweep = self._sweep, self._sweep + 1
             try:
-                task = self._fetcher.prefetch(self.obj, index, advise=False)
+                task = self._fetcher.prefetch(self.obj, index)
             except RuntimeError:  # the pool was shut down: the mount is going away
                 return
             if task is not None:

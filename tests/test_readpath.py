@@ -684,6 +684,47 @@ def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
     assert len(rnd_cache.kept) == 64 and all(rnd_cache.kept.values())
 
 
+def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense random reads of a file the disk cache has whole (a model loaded through mmap
+    again, page cache dropped): the sweep asks the kernel to read every other chunk file into
+    the page cache (WILLNEED), in file order, so the faults that follow are not each a small
+    disk read; no GET, and the bytes are exact."""
+    data = os.urandom(64 * MiB)
+    fetch = RecordingFetch(data)
+    cache = ChunkCache(tmp_path, 256 * MiB)
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in range(0, len(data), MiB):  # the cold read: every chunk cached
+        reader.read(MiB, off)
+    reader.close()
+    fetcher.settle()
+    fetcher.close()
+
+    real, advised = os.posix_fadvise, []
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append(int(os.readlink(f"/proc/self/fd/{fd}").rsplit("-", 2)[-2]))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr("marinfs.chunkcache.os.posix_fadvise", recording)
+    fetch.calls.clear()
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    order = [37, 3, 55, 12, 60, 21, 44, 8]  # an eighth of the chunks: the sweep starts
+    for i in order:
+        assert reader.read(4096, i * MiB + 100) == data[i * MiB + 100:i * MiB + 4196]
+    deadline = time.monotonic() + 10
+    while len(set(advised)) < 64 - len(order) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(advised) >= set(range(64)) - set(order)
+    assert fetch.calls == []
+    for i in range(64):
+        assert reader.read(10, i * MiB) == data[i * MiB:i * MiB + 10]
+    fetcher.close()
+
+
 def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ahead of a sequential reader, chunks already in the disk cache are loaded into memory
     with O_DIRECT (no page cache filled and read back) and served from there, no GET; one
