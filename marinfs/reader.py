@@ -497,12 +497,14 @@ class ObjectReader:
         released.difference_update(range(first, last + 1))
         if released:
             self._fetcher.release(obj, released)
+        # A window of one chunk (the first read of a file, or one read near the last after a
+        # seek: random reads land near each other now and then) is not yet a sequential reader:
+        # its cached chunk is read ahead by the disk, not loaded whole; once the window has grown
+        # past one chunk, it is. Not for a handle being swept: the sweep has the page cache
+        # read the chunks already (an O_DIRECT load would read them from the disk a second time).
+        load = window > 1 and self._sweep is None
         for index in range(start, last + 1 + window):
-            # A window of one chunk (the first read of a file, or one read near the last after
-            # a seek: random reads land near each other now and then) is not yet a sequential
-            # reader: its cached chunk is read ahead by the disk, not loaded whole; once the
-            # window has grown past one chunk, it is.
-            if not self._fetcher.ahead(obj, index, load=window > 1):
+            if not self._fetcher.ahead(obj, index, load=load):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
                     self._ahead = min(self._ahead, index - 1)

@@ -720,6 +720,20 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
     while not set(advised) >= rest and time.monotonic() < deadline:
         time.sleep(0.01)
     assert set(advised) >= rest
+
+    # A stretch of sequential reads of the swept handle is served from the page cache the sweep
+    # filled: no chunk is loaded again from the disk with O_DIRECT.
+    real_open, direct = os.open, []
+
+    def opening(path: object, flags: int, *args: object) -> int:
+        direct.append(bool(flags & os.O_DIRECT))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("marinfs.chunkcache.os.open", opening)
+    for off in range(20 * MiB, 40 * MiB, 256 * KiB):
+        assert reader.read(256 * KiB, off) == data[off:off + 256 * KiB]
+    fetcher.settle()
+    assert direct and not any(direct)
     assert fetch.calls == []
     for i in range(64):
         assert reader.read(10, i * MiB) == data[i * MiB:i * MiB + 10]
