@@ -229,8 +229,8 @@ class ChunkFetcher:
         background unless it is in memory or under way (not held, outside the budget); answers
         the task if one was started. A chunk not cached is fetched and cached through the page
         cache (random reads follow); a cached one is read into the page cache by the kernel, in
-        file order and in large reads (``advise``: a warm model load through mmap otherwise
-        reads each chunk file from the disk in the small pieces its page faults ask for)."""
+        file order and in large reads (ChunkCache.advise: a warm model load through mmap
+        otherwise reads each chunk file from the disk in the small pieces its faults ask for)."""
         if index * self.chunk_size >= obj.size:
             return None
         ck = self.chunk_key(obj, index)
