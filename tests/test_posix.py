@@ -863,12 +863,17 @@ def test_cp_a_of_many_files_carries_their_attributes_in_their_uploads(store: Sto
         os.utime(src / f"f{i:03}", ns=(10**18, 10**18 + i))
     with store.mount() as (mnt, core):
         core.remote.stats.reset()
+        started = time.monotonic()
         sh("cp", "-a", str(src), str(mnt / "many"))
+        elapsed = time.monotonic() - started
         got = counts(core)
-        print("cp -a of 100 files:", got)
+        print("cp -a of 100 files:", got, f"in {elapsed:.1f} s")
         assert got.get("copy", 0) == 0 and got.get("patch", 0) == 0, got
         if store.url.startswith(("s3://", "gs://", "memory://")):
-            assert 100 <= got.get("put", 0) <= 121, got  # one each, the marker, a record per 0.2 s window
+            # One PUT a file, the marker, and the directory's record once per 0.2 s window the
+            # copy lasted (a loaded box copies slower: more windows), never once a file.
+            records = min(99, int(elapsed / 0.2) + 2)
+            assert 100 <= got.get("put", 0) <= 101 + records, (got, elapsed)
     with store.mount() as (mnt, core):
         same_tree(src, mnt / "many")
 
