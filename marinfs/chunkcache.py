@@ -198,13 +198,10 @@ class ChunkCache:
         reads the whole chunk); a corrupt chunk is discarded (a miss), never served.
         """
         ikey = (key.object_id, key.index)
-        with self._lock:
-            entry = self._index.get(ikey)
-            if entry is None:
-                self.stats.misses += 1
-                return False
-            self._index.move_to_end(ikey)
-            verified = entry.verified
+        found = self._used_entry(ikey)
+        if found is None:
+            return False
+        entry, verified = found
         size = len(dest)
         if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
             self._discard(ikey, entry, corrupt=True)
@@ -243,13 +240,10 @@ class ChunkCache:
         failing its checksum (discarded, as ``read_into`` does). Buffered where the cache's
         filesystem has no O_DIRECT."""
         ikey = (key.object_id, key.index)
-        with self._lock:
-            entry = self._index.get(ikey)
-            if entry is None:
-                self.stats.misses += 1
-                return None
-            self._index.move_to_end(ikey)
-            verified = entry.verified
+        found = self._used_entry(ikey)
+        if found is None:
+            return None
+        entry, verified = found
         size = entry.size
         aligned = -(-size // _ALIGN) * _ALIGN
         if len(dest) < aligned or _aligned_address(dest) is None:
@@ -269,6 +263,17 @@ class ChunkCache:
         entry.verified = True
         self._hit()
         return size
+
+    def _used_entry(self, ikey: tuple[str, int]) -> tuple[_Entry, bool] | None:
+        """The entry about to be read, made most recently used, and whether it was verified
+        when looked up; None (a miss, counted) if the cache has no such chunk."""
+        with self._lock:
+            entry = self._index.get(ikey)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(ikey)
+            return entry, entry.verified
 
     def _open_direct(self, path: Path) -> int:
         if self._direct_read:
