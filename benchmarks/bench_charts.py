@@ -187,6 +187,17 @@ def _bold_marinfs(ax: Any, names: list[str]) -> None:
             tick.set_fontweight("bold")
 
 
+def _rate_axes(ax: Any, row: dict[str, Any], ys: Any, names: list[str], top: float) -> None:
+    """A rate panel's tools down the side (marinfs in bold), its unit along the bottom, room on
+    the right for the bars' labels, the row as its title."""
+    ax.set_yticks(ys, names, fontsize=8)
+    _bold_marinfs(ax, names)
+    ax.set_xlim(0, top * 1.45)
+    ax.set_xlabel(f"{row['unit']}, higher is better", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(row["label"], fontsize=9)
+
+
 def _finish(plt: Any, fig: Any, title: str, path: Path, bottom: float = 0) -> Path:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, bottom, 1, 1))
@@ -220,13 +231,7 @@ def rate_chart(run: Run, path: Path) -> Path:
             if nf:
                 text += f"   ({nf} FAIL)"
             ax.text(hi + top * 0.02, y, text, va="center", fontsize=7)
-        names = [label(t) for t in ts]
-        ax.set_yticks(ys, names, fontsize=8)
-        _bold_marinfs(ax, names)
-        ax.set_xlim(0, top * 1.45)
-        ax.set_xlabel(f"{row['unit']}, higher is better", fontsize=8)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(row["label"], fontsize=9)
+        _rate_axes(ax, row, ys, [label(t) for t in ts], top)
     reps = run.get("config", {}).get("reps", "?")
     return _finish(plt, fig, f"marinfs bench: rate per row, median of {reps} (whiskers: min–max)\n{describe(run)}",
                    path)
@@ -309,13 +314,7 @@ def latency_chart(base: Run, lat: Run, path: Path) -> Path:
                         text += f"   {(m / r0[0] - 1) * 100:+.0f}% vs {b:g} ms"
                     ax.text(hi + top * 0.02, y, text, va="center", fontsize=7)
                 y -= 1
-        ys = _ys(ax, 2 * len(bars))
-        ax.set_yticks(ys, names, fontsize=8)
-        _bold_marinfs(ax, names)
-        ax.set_xlim(0, top * 1.45)
-        ax.set_xlabel(f"{row['unit']}, higher is better", fontsize=8)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(row["label"], fontsize=9)
+        _rate_axes(ax, row, _ys(ax, 2 * len(bars)), names, top)
     differ = [k for k, v in (("marinfs", lambda r: r.get("versions", {}).get("marinfs")),
                              ("size", lambda r: r.get("config", {}).get("size_mib"))) if v(base) != v(lat)]
     title = (f"marinfs bench: {b:g} ms (light) against {n:g} ms (dark) first-byte latency, medians "
