@@ -14,8 +14,10 @@ loaded through mmap, tensor by tensor, out of file order) will read most of the 
 chunks are fetched in the background, in file order, by lanes that each fetch the next chunk once the last
 one landed (half the prefetch workers; the rest stay for other readers), until the file is done
 or the handle closed; only when the disk cache can hold the whole file twice over. Chunks the
-disk cache has already are read into the page cache by the kernel instead (the warm load). At worst
-that fetches eight times what the reader had asked for already.
+disk cache has already are read into the page cache by the kernel instead (the warm load), only
+while the memory the kernel could give (``MemAvailable``) holds the file twice over (the chunk
+files' pages and the mapped file's): pages read ahead into a page cache too small for them are
+evicted before they are read. At worst that fetches eight times what the reader had asked for already.
 
 Memory is one byte budget for the whole mount (``memory_bytes``), not a window per handle:
 every chunk a reader asked for ahead counts against it from the moment it is asked for until
@@ -55,6 +57,19 @@ from marinfs.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
 
 log = logging.getLogger(__name__)
+
+
+def mem_available() -> int | None:
+    """The memory the kernel could give without swapping (free plus reclaimable page cache), in
+    bytes; None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 Fetch = Callable[[str, int, int, Any], Any]  # (key, start, end, version) -> bytes or any buffer
@@ -112,6 +127,7 @@ class ChunkFetcher:
         # in progress, takes a fresh buffer instead: bounded by those, never kept past `keep`.
         self.buffers = BufferPool(chunk_size, self.memory_bytes // chunk_size + workers + workers // 2)
         self._last_read = time.monotonic()
+        self.mem_available: Callable[[], int | None] = mem_available  # tests replace it
 
     def sweep_allowed(self, size: int) -> bool:
         """Whether the disk cache can keep a whole object of ``size`` bytes (twice over)."""
@@ -230,7 +246,8 @@ class ChunkFetcher:
         the task if one was started. A chunk not cached is fetched and cached through the page
         cache (random reads follow); a cached one is read into the page cache by the kernel, in
         file order and in large reads (ChunkCache.advise: a warm model load through mmap
-        otherwise reads each chunk file from the disk in the small pieces its faults ask for)."""
+        otherwise reads each chunk file from the disk in the small pieces its faults ask for),
+        unless the memory available could not keep the object twice over."""
         if index * self.chunk_size >= obj.size:
             return None
         ck = self.chunk_key(obj, index)
@@ -238,6 +255,9 @@ class ChunkFetcher:
             if ck in self._chunks or ck in self._inflight:
                 return None
         if self.cache is not None and self.cache.contains(ck):
+            available = self.mem_available()
+            if available is not None and 2 * obj.size > available:
+                return None  # the page cache cannot keep it: the faults read the disk themselves
             # In a worker: WILLNEED returns once the reads are submitted to the disk, so the lanes
             # go at about the disk's pace and a FUSE thread never waits for it.
             return self._pool.submit(self.cache.advise, ck)

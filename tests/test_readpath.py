@@ -740,6 +740,53 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
     fetcher.close()
 
 
+def test_the_warm_sweep_reads_ahead_only_what_memory_can_keep(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm sweep's read-ahead (WILLNEED) asks the page cache to keep the whole file: with
+    less memory available than twice the file (its chunk files' pages and the mapped file's),
+    pages read ahead would be evicted before their faults come, so nothing is advised and the
+    faults read the disk themselves; with enough, every other chunk is. The bytes are exact."""
+    data = os.urandom(32 * MiB)
+    fetch = RecordingFetch(data)
+    cache = ChunkCache(tmp_path, 256 * MiB)
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in range(0, len(data), MiB):  # the cold read: every chunk cached
+        reader.read(MiB, off)
+    reader.close()
+    fetcher.settle()
+    fetcher.close()
+    fetch.calls.clear()
+
+    advised: list[int] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append(fd)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr("marinfs.chunkcache.os.posix_fadvise", recording)
+    order = [17, 3, 25, 9]  # an eighth of the chunks: the sweep starts
+    for available, expect in ((2 * len(data) - 1, 0), (2 * len(data), 32 - len(order))):
+        advised.clear()
+        fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+        fetcher.mem_available = lambda available=available: available  # type: ignore[misc]
+        reader = ObjectReader(ref(len(data)), fetcher)
+        for i in order:
+            assert reader.read(4096, i * MiB + 100) == data[i * MiB + 100:i * MiB + 4196]
+        deadline = time.monotonic() + 10
+        while len(advised) < expect and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # what else the sweep would have asked for by now
+        swept = len(advised)
+        assert swept >= expect and (expect or not swept), (available, swept)
+        for i in range(31, -1, -3):  # backwards: no sequential readahead of its own
+            assert reader.read(10, i * MiB) == data[i * MiB:i * MiB + 10]
+        fetcher.close()
+    assert fetch.calls == []
+
+
 def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ahead of a sequential reader, chunks already in the disk cache are loaded into memory
     with O_DIRECT (no page cache filled and read back) and served from there, no GET; one
