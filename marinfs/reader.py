@@ -258,9 +258,10 @@ class ChunkFetcher:
             available = self.mem_available()
             if available is not None and 2 * obj.size > available:
                 return None  # the page cache cannot keep it: the faults read the disk themselves
-            # In a worker: WILLNEED returns once the reads are submitted to the disk, so the lanes
-            # go at about the disk's pace and a FUSE thread never waits for it.
-            return self._pool.submit(self.cache.advise, ck)
+            # In a worker, which waits until the chunk has been read: the lanes go at the disk's
+            # pace (all of a file's reads submitted at once queue in front of the reader's own
+            # faults) and a FUSE thread never waits for them.
+            return self._pool.submit(self.cache.advise, ck, True)
         future, owner = self._claim(ck)
         if owner:
             return self._pool.submit(self._run, obj, index, ck, future, keep=True)

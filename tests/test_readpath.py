@@ -740,6 +740,53 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
     fetcher.close()
 
 
+def _resident(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages it has): mincore(2) of a copy-on-write
+    mapping, never written, so each page reported is the file's own."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            assert libc.mincore(ctypes.addressof(anchor), size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            del anchor
+        return sum(b & 1 for b in vec), pages
+    finally:
+        m.close()
+
+
+def test_advising_a_cached_chunk_reads_all_of_it_into_the_page_cache(tmp_path: Path) -> None:
+    """One POSIX_FADV_WILLNEED reads no more than the disk's readahead or largest request
+    allows (4 MiB on this machine's disk, half a chunk): the warm sweep then left half of every
+    chunk to its faults, each a small read of the disk. Advised in pieces, all of it is read."""
+    cache = ChunkCache(tmp_path / "c", 256 * MiB)
+    data = os.urandom(8 * MiB)
+    assert cache.put(key(1), data)  # written with O_DIRECT: nothing of it in the page cache
+    path = next((tmp_path / "c" / "chunks").rglob("*-1-*"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    before, pages = _resident(path)
+    assert before < pages // 2
+    cache.advise(key(1))
+    deadline = time.monotonic() + 10
+    while _resident(path)[0] < pages and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _resident(path) == (pages, pages)
+    assert cache.read(key(1), 0, len(data)) == data
+
+
 def test_the_warm_sweep_reads_ahead_only_what_memory_can_keep(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The warm sweep's read-ahead (WILLNEED) asks the page cache to keep the whole file: with
