@@ -462,8 +462,6 @@ class ChunkCache:
             self._lock_fd = None
 
 
-
-
 def _readahead_limit(path: Path) -> int:
     """The most one POSIX_FADV_WILLNEED reads on the disk ``path`` is on: the kernel
     (force_page_cache_ra) caps it at the larger of the device's largest request
@@ -477,6 +475,8 @@ def _readahead_limit(path: Path) -> int:
     except (OSError, ValueError):
         kib = 0
     return max(128, kib) << 10
+
+
 _ALIGN = 4096  # O_DIRECT wants block-aligned sizes and buffers; 4 KiB suits every common disk
 
 

@@ -778,6 +778,8 @@ def test_advising_a_cached_chunk_reads_all_of_it_into_the_page_cache(tmp_path: P
     finally:
         os.close(fd)
     before, pages = _resident(path)
+    if before == pages:
+        pytest.skip("the filesystem under tmp_path keeps every page resident (tmpfs): nothing to read ahead")
     assert before < pages // 2
     cache.advise(key(1))
     deadline = time.monotonic() + 10
