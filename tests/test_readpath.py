@@ -684,22 +684,29 @@ def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
     assert len(rnd_cache.kept) == 64 and all(rnd_cache.kept.values())
 
 
+def _read_once_cold(tmp_path: Path, size: int) -> tuple[bytes, RecordingFetch, ChunkCache]:
+    """An object of ``size`` random bytes read once through a fetcher (chunks of 1 MiB), so
+    the disk cache has all of it: its bytes, the fetch (which counted the GETs) and the cache."""
+    data = os.urandom(size)
+    fetch = RecordingFetch(data)
+    cache = ChunkCache(tmp_path, 256 * MiB)
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+    reader = ObjectReader(ref(len(data)), fetcher)
+    for off in range(0, len(data), MiB):
+        reader.read(MiB, off)
+    reader.close()
+    fetcher.settle()
+    fetcher.close()
+    return data, fetch, cache
+
+
 def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense random reads of a file the disk cache has whole (a model loaded through mmap
     again, page cache dropped): the sweep asks the kernel to read every other chunk file into
     the page cache (WILLNEED), in file order, so the faults that follow are not each a small
     disk read; no GET, and the bytes are exact."""
-    data = os.urandom(64 * MiB)
-    fetch = RecordingFetch(data)
-    cache = ChunkCache(tmp_path, 256 * MiB)
-    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    for off in range(0, len(data), MiB):  # the cold read: every chunk cached
-        reader.read(MiB, off)
-    reader.close()
-    fetcher.settle()
-    fetcher.close()
+    data, fetch, cache = _read_once_cold(tmp_path, 64 * MiB)
 
     real, advised = os.posix_fadvise, []
 
@@ -795,16 +802,7 @@ def test_the_warm_sweep_reads_ahead_only_what_memory_can_keep(tmp_path: Path,
     less memory available than twice the file (its chunk files' pages and the mapped file's),
     pages read ahead would be evicted before their faults come, so nothing is advised and the
     faults read the disk themselves; with enough, every other chunk is. The bytes are exact."""
-    data = os.urandom(32 * MiB)
-    fetch = RecordingFetch(data)
-    cache = ChunkCache(tmp_path, 256 * MiB)
-    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    for off in range(0, len(data), MiB):  # the cold read: every chunk cached
-        reader.read(MiB, off)
-    reader.close()
-    fetcher.settle()
-    fetcher.close()
+    data, fetch, cache = _read_once_cold(tmp_path, 32 * MiB)
     fetch.calls.clear()
 
     advised: list[int] = []
