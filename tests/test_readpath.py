@@ -684,13 +684,14 @@ def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
     assert len(rnd_cache.kept) == 64 and all(rnd_cache.kept.values())
 
 
-def _read_once_cold(tmp_path: Path, size: int) -> tuple[bytes, RecordingFetch, ChunkCache]:
-    """An object of ``size`` random bytes read once through a fetcher (chunks of 1 MiB), so
-    the disk cache has all of it: its bytes, the fetch (which counted the GETs) and the cache."""
+def _read_once_cold(tmp_path: Path, size: int, chunk_size: int = MiB,
+                    **fetcher_args: int) -> tuple[bytes, RecordingFetch, ChunkCache]:
+    """An object of ``size`` random bytes read once through a fetcher, so the disk cache has
+    all of it: its bytes, the fetch (which counted the GETs) and the cache."""
     data = os.urandom(size)
     fetch = RecordingFetch(data)
     cache = ChunkCache(tmp_path, 256 * MiB)
-    fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
+    fetcher = ChunkFetcher(fetch, cache, chunk_size=chunk_size, **fetcher_args)
     reader = ObjectReader(ref(len(data)), fetcher)
     for off in range(0, len(data), MiB):
         reader.read(MiB, off)
@@ -839,16 +840,8 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     with O_DIRECT (no page cache filled and read back) and served from there, no GET; one
     whose file was damaged while the daemon was down fails its checksum there and is fetched
     again, never served."""
-    data = os.urandom(24 * MiB + 5)
-    fetch = RecordingFetch(data)
-    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 256 * MiB), chunk_size=4 * MiB, memory_bytes=32 * MiB)
-    reader = ObjectReader(ref(len(data)), fetcher)
-    for off in range(0, len(data), MiB):
-        reader.read(MiB, off)
-    reader.close()
-    fetcher.settle()
-    fetcher.close()
-    fetcher.cache.close()  # type: ignore[union-attr]
+    data, fetch, cache = _read_once_cold(tmp_path, 24 * MiB + 5, chunk_size=4 * MiB, memory_bytes=32 * MiB)
+    cache.close()
     damaged = next(p for p in (tmp_path / "chunks").rglob("*-3-*"))
     raw = bytearray(damaged.read_bytes())
     raw[100] ^= 0xFF
