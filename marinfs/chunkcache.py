@@ -28,8 +28,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import functools
-import hashlib
 import logging
 import mmap
 import os
@@ -39,13 +37,13 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import UsageError
-from marinfs.objects import ObjectRef, ObjectVersion
+from marinfs.objects import ObjectRef, ObjectVersion, cache_id
 
 try:  # CRC-32C in C with the CPU's crc32 instruction (google-crc32c, which gcsfs installs)
     import google_crc32c
@@ -75,28 +73,26 @@ def _checksum(data: Buffer, c: bool) -> int:
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """Identity of one chunk: which object version, which chunk of it. Its file name hashes
-    the version's string form, the one earlier releases wrote (objects.py), so a cache
-    directory stays valid across upgrades."""
+    """Identity of one chunk: which object version, which chunk of it. Its file name is the
+    version's ``cache_id`` (objects.py) and the chunk's index. Hashed by those two (equal keys
+    have equal ids): a key is looked up several times a read, and hashing the version's
+    fields each time cost more than the rest of the lookup."""
 
     url: str
     version: ObjectVersion | str
     index: int
+    object_id: str = field(default="", compare=False, repr=False)  # cache_id(url, str(version))
+
+    def __post_init__(self) -> None:
+        if not self.object_id:
+            object.__setattr__(self, "object_id", cache_id(self.url, str(self.version)))
+
+    def __hash__(self) -> int:
+        return hash((self.object_id, self.index))
 
     @classmethod
     def of(cls, obj: ObjectRef, index: int) -> ChunkKey:
-        return cls(obj.url, obj.version, index)
-
-    @property
-    def object_id(self) -> str:
-        return _object_id(self.url, str(self.version))
-
-
-@functools.lru_cache(maxsize=4096)
-def _object_id(url: str, version: str) -> str:
-    """A pure function of its arguments, kept: every read of a chunk names it (a SHA-256 and
-    the version's string form cost 5 µs per call, a tenth of a small read's Python)."""
-    return hashlib.sha256(f"{url}\0{version}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        return cls(obj.url, obj.version, index, obj.cache_id)
 
 
 @dataclass
@@ -106,6 +102,9 @@ class _Entry:
     crc: int
     verified: bool = False  # checksum checked since this daemon started
     c: bool = True  # the checksum is CRC-32C ("-c" names); else zlib CRC-32 (older daemons)
+    fd: int = -1  # kept open while among the last chunks read (ChunkCache._open); -1: none
+    users: int = 0  # reads using ``fd`` right now: it is closed only once they are done
+    shut: bool = False  # ``fd`` is to be closed once ``users`` is 0 (left the index or _open)
 
 
 @dataclass
@@ -123,7 +122,15 @@ class ChunkCache:
 
     Only one daemon may use a cache directory at a time: a second one is refused (lock file),
     because two LRU indexes over one directory would evict each other's chunks blindly.
+
+    The last chunks read keep their files open (``OPEN_FILES`` of them): a mapped file's faults
+    read 4 KiB at a time, and an ``open`` and ``close`` per read cost as much as the read. A
+    chunk file never changes once renamed into place, so a kept descriptor always reads the
+    chunk's bytes; one is closed when its chunk leaves the index or the set, once no read is
+    using it (never closed under a read: its number could be reused by another file).
     """
+
+    OPEN_FILES = 64
 
     def __init__(self, cache_dir: Path, max_bytes: int, min_free_bytes: int = 0,
                  lock: bool = True) -> None:
@@ -133,6 +140,7 @@ class ChunkCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU order, oldest first
+        self._open: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # entries with a kept fd
         self.used = 0
         self._reserved = 0
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -199,12 +207,14 @@ class ChunkCache:
         reads the whole chunk); a corrupt chunk is discarded (a miss), never served.
         """
         ikey = (key.object_id, key.index)
-        found = self._used_entry(ikey)
+        found = self._used_entry(ikey, take_fd=True)
         if found is None:
             return False
-        entry, verified = found
+        entry, verified, fd = found
         size = len(dest)
         if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
+            if fd >= 0:
+                self._done(entry, fd)
             self._discard(ikey, entry, corrupt=True)
             return False
         try:
@@ -217,11 +227,13 @@ class ChunkCache:
                 dest[:] = memoryview(data)[offset:offset + size]
                 self._hit()
                 return True
-            fd = os.open(entry.path, os.O_RDONLY)
+            if fd < 0:
+                fd = self._keep_fd(ikey, entry)
+            n = -1
             try:
                 n = os.preadv(fd, [dest], offset)
             finally:
-                os.close(fd)
+                self._done(entry, fd, hit=n == size)
         except FileNotFoundError:
             self._discard(ikey, entry)
             return False
@@ -230,7 +242,6 @@ class ChunkCache:
             # renamed): a miss, never a short read handed to the kernel.
             self._discard(ikey, entry, corrupt=True)
             return False
-        self._hit()
         return True
 
     def load_into(self, key: ChunkKey, dest: memoryview) -> int | None:
@@ -244,7 +255,7 @@ class ChunkCache:
         found = self._used_entry(ikey)
         if found is None:
             return None
-        entry, verified = found
+        entry, verified, _ = found
         size = entry.size
         aligned = -(-size // _ALIGN) * _ALIGN
         if len(dest) < aligned or _aligned_address(dest) is None:
@@ -265,16 +276,59 @@ class ChunkCache:
         self._hit()
         return size
 
-    def _used_entry(self, ikey: tuple[str, int]) -> tuple[_Entry, bool] | None:
-        """The entry about to be read, made most recently used, and whether it was verified
-        when looked up; None (a miss, counted) if the cache has no such chunk."""
+    def _used_entry(self, ikey: tuple[str, int], take_fd: bool = False) -> tuple[_Entry, bool, int] | None:
+        """The entry about to be read, made most recently used, whether it was verified when
+        looked up, and (``take_fd``, verified) its kept descriptor, taken for one read (hand it
+        back with _done; -1: none kept, _keep_fd opens one); None (a miss, counted) if the cache
+        has no such chunk."""
         with self._lock:
             entry = self._index.get(ikey)
             if entry is None:
                 self.stats.misses += 1
                 return None
             self._index.move_to_end(ikey)
-            return entry, entry.verified
+            fd = -1
+            if take_fd and entry.verified and entry.fd >= 0 and not entry.shut:
+                entry.users += 1
+                self._open.move_to_end(ikey)
+                fd = entry.fd
+            return entry, entry.verified, fd
+
+    def _keep_fd(self, ikey: tuple[str, int], entry: _Entry) -> int:
+        """Open a verified entry's file for one read, kept open for later ones (OPEN_FILES of
+        them, least recently read closed first); hand it back with _done."""
+        fd = os.open(entry.path, os.O_RDONLY)
+        with self._lock:
+            if entry.fd >= 0 or self._index.get(ikey) is not entry:
+                return fd  # another read kept one meanwhile, or the chunk left: this read's own
+            entry.fd, entry.users, entry.shut = fd, 1, False
+            self._open[ikey] = entry
+            while len(self._open) > self.OPEN_FILES:
+                self._shut_locked(*next(iter(self._open.items())))
+        return fd
+
+    def _done(self, entry: _Entry, fd: int, hit: bool = False) -> None:
+        with self._lock:
+            if hit:
+                self.stats.hits += 1
+            if fd != entry.fd:
+                os.close(fd)
+                return
+            entry.users -= 1
+            if entry.shut and not entry.users:
+                os.close(fd)
+                entry.fd = -1
+
+    def _shut_locked(self, ikey: tuple[str, int], entry: _Entry) -> None:
+        """``entry`` keeps no descriptor from now on: closed now, or by its last read's _done."""
+        if self._open.get(ikey) is entry:
+            del self._open[ikey]
+        if entry.fd < 0:
+            return
+        entry.shut = True
+        if not entry.users:
+            os.close(entry.fd)
+            entry.fd = -1
 
     def _open_direct(self, path: Path) -> int:
         if self._direct_read:
@@ -327,6 +381,7 @@ class ChunkCache:
             if self._index.get(ikey) is entry:
                 del self._index[ikey]
                 self.used -= entry.size
+            self._shut_locked(ikey, entry)
             self.stats.misses += 1
             if corrupt:
                 self.stats.corrupt += 1
@@ -430,6 +485,7 @@ class ChunkCache:
             if not self._index:
                 return self.used + incoming <= self.max_bytes and not (incoming and self._low_on_disk(incoming))
             ikey, entry = self._index.popitem(last=False)
+            self._shut_locked(ikey, entry)
             self.used -= entry.size
             self.stats.evictions += 1
             entry.path.unlink(missing_ok=True)
@@ -457,6 +513,9 @@ class ChunkCache:
             assert self.used == sum(e.size for e in self._index.values()) + self._reserved
 
     def close(self) -> None:
+        with self._lock:
+            while self._open:
+                self._shut_locked(*next(iter(self._open.items())))
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -10,6 +10,8 @@ strings earlier releases wrote: ``e<ETag>`` (S3), ``g<generation>`` (GCS, and me
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass, replace
 
 _PREFIXES = {"e": "etag", "g": "generation", "m": "mtime"}
@@ -111,6 +113,19 @@ class ObjectRef:
     key: str  # the key relative to the mounted prefix, for fetches
     version: ObjectVersion | str  # (a str only from callers outside the remote: tests, fakes)
     size: int
+
+    @functools.cached_property
+    def cache_id(self) -> str:
+        """The name this version's cached chunks carry (chunkcache.py), made once per handle."""
+        return cache_id(self.url, str(self.version))
+
+
+@functools.lru_cache(maxsize=4096)
+def cache_id(url: str, version: str) -> str:
+    """The name of a version's chunk files: a SHA-256 of the URL and of the version's string
+    form, the one earlier releases wrote, so a cache directory stays valid across upgrades. A
+    pure function, kept (a SHA-256 and the string form cost 5 µs a call)."""
+    return hashlib.sha256(f"{url}\0{version}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

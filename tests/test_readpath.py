@@ -202,6 +202,56 @@ def test_limit_holds_and_eviction_is_lru(tmp_path: Path) -> None:
     cache.check_invariants()
 
 
+def _open_chunk_files(cache_dir: Path) -> list[str]:
+    """The files of ``cache_dir`` this process has open (deleted ones end in " (deleted)")."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(cache_dir / "chunks")):
+            found.append(target)
+    return found
+
+
+def test_reads_of_a_chunk_share_one_kept_descriptor_closed_when_it_goes(tmp_path: Path) -> None:
+    """A mapped file's faults read a chunk 4 KiB at a time: its file stays open between reads
+    (an open and a close per read cost as much as the read), for the last OPEN_FILES chunks
+    read; evicted, discarded or the cache closed, nothing stays open."""
+    cache = ChunkCache(tmp_path, 3 * KiB)
+    cache.OPEN_FILES = 2
+    for i in range(3):
+        assert cache.put(key(i), bytes([i]) * KiB)
+    for _ in range(3):
+        for i in range(3):
+            assert cache.read(key(i), 7, 2) == bytes([i]) * 2  # the first read verifies the chunk
+    assert len(_open_chunk_files(tmp_path)) == 2  # chunks 1 and 2: 0 was read least recently
+    assert cache.put(key(3), b"3" * KiB) and cache.put(key(4), b"4" * KiB)  # evicts 0, then 1
+    assert cache.stats.evictions == 2
+    assert all("deleted" not in f for f in _open_chunk_files(tmp_path))  # 1's file closed with it
+    assert len(_open_chunk_files(tmp_path)) == 1 and cache.read(key(1), 0, 1) is None
+    cache.close()
+    assert _open_chunk_files(tmp_path) == []
+    cache.check_invariants()
+
+
+def test_a_kept_descriptor_is_closed_only_after_the_read_using_it(tmp_path: Path) -> None:
+    """A chunk discarded while a read uses its descriptor: the read still reads its bytes (the
+    descriptor's number is not reused under it), and the last read closes it."""
+    cache = ChunkCache(tmp_path, MiB)
+    assert cache.put(key(1), b"abcdef") and cache.read(key(1), 0, 1) == b"a"
+    ikey = (key(1).object_id, 1)
+    entry, verified, fd = cache._used_entry(ikey, take_fd=True)  # a read in flight holds it
+    assert verified and fd >= 0
+    cache._discard(ikey, entry)
+    assert os.pread(fd, 3, 2) == b"cde"  # still open: the reader finishes
+    cache._done(entry, fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert _open_chunk_files(tmp_path) == [] and cache.read(key(1), 0, 1) is None
+
+
 def test_files_are_private_and_a_second_daemon_is_refused(tmp_path: Path) -> None:
     cache = ChunkCache(tmp_path / "c", MiB)
     cache.put(key(1), b"abc")
