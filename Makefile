@@ -12,8 +12,8 @@ MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 .PHONY: run test test-fast soak bench bench-charts bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
 
 system-deps:
-	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs; }
+	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null && command -v setfattr >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs attr; }
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,8 +86,12 @@ peer-deps: bench-deps
 # torch, CPU build, from PyTorch's index before the bench extra (the Run:ai streamer needs torch;
 # PyPI's is the CUDA build, GiBs). Not in the test extra: CI runs no benchmark.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Where that index cannot be reached (a sandbox with PyPI only): this release, a CPU build some
+# machines keep on their own disk for pip to find.
+TORCH_FALLBACK ?= 2.13.0
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
-	$(VENV)/bin/pip install -q --index-url $(TORCH_INDEX) torch
+	$(VENV)/bin/pip install -q --retries 0 --timeout 15 --index-url $(TORCH_INDEX) torch || \
+	  $(VENV)/bin/pip install -q 'torch==$(TORCH_FALLBACK)'
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 
