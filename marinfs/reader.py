@@ -164,17 +164,13 @@ class ChunkFetcher:
             else:
                 data = None
                 future = self._inflight.get(ck)
-                if future is None:
-                    self._hold.add(ck)  # a demand fetch is held for its reader too
         if data is not None:
             dest[:] = memoryview(data)[offset:offset + size]
             return
         if future is None and self.cache is not None and self.cache.read_into(ck, dest, offset):
-            with self._lock:
-                self._hold.discard(ck)
             return
         if future is None:
-            future, owner = self._claim(ck)
+            future, owner = self._claim(ck, hold=True)  # a demand fetch is held for its reader too
             if owner:
                 # Counted in the budget too (never refused: the reader waits for it), so that
                 # readahead makes room for it instead of adding to it.
@@ -297,8 +293,10 @@ class ChunkFetcher:
                 return True
         return False
 
-    def _claim(self, ck: ChunkKey) -> tuple[Future[bytes], bool]:
+    def _claim(self, ck: ChunkKey, hold: bool = False) -> tuple[Future[bytes], bool]:
         with self._lock:
+            if hold:
+                self._hold.add(ck)
             future = self._inflight.get(ck)
             if future is not None:
                 return future, False
