@@ -511,6 +511,9 @@ class ChunkCache:
         with self._lock:
             assert self.used <= self.max_bytes, (self.used, self.max_bytes)
             assert self.used == sum(e.size for e in self._index.values()) + self._reserved
+            assert len(self._open) <= self.OPEN_FILES, (len(self._open), self.OPEN_FILES)
+            for ikey, entry in self._open.items():  # kept descriptors belong to indexed chunks
+                assert self._index.get(ikey) is entry and entry.fd >= 0 and not entry.shut
 
     def close(self) -> None:
         with self._lock:
