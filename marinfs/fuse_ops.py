@@ -29,6 +29,7 @@ import mfusepy as fuse  # noqa: E402
 from marinfs.errors import RemoteError, errno_for  # noqa: E402
 from marinfs.fs import Filesystem  # noqa: E402
 from marinfs.objects import ObjectInfo  # noqa: E402
+from marinfs.threadnames import set_os_name  # noqa: E402
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -322,6 +323,7 @@ class _Fuse(fuse.FUSE):
         if not getattr(self._pinned, "kept", False):
             ctypes.pythonapi.PyGILState_Ensure()
             self._pinned.kept = True
+            set_os_name("fuse")  # libfuse's request threads, apart from marinfs's own in top -H
         return super()._wrapper(func, *args, **kwargs)
 
     def readdir_fuse_3(self, path: bytes, buf: Any, filler: Any, offset: int, fip: Any, flags: int) -> int:

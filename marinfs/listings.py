@@ -26,6 +26,7 @@ from cachetools import TTLCache
 from marinfs.metadata import MetadataCache
 from marinfs.objects import ObjectInfo
 from marinfs.remote import Remote
+from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class ListingPrefetcher:
                  ahead: int = 64, max_pending: int = 256) -> None:
         self._remote, self._metadata = remote, metadata
         self.misses, self.ahead, self.max_pending = misses, ahead, max_pending
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="marinfs-list")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="marinfs-list", initializer=name_current)
         self._lock = threading.RLock()  # reentrant: a done callback can run inside schedule()
         self._pending: dict[str, Future[list[ObjectInfo] | None]] = {}
         self._closed = False

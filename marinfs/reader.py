@@ -55,6 +55,7 @@ from typing import Any
 from marinfs.buffers import BufferPool
 from marinfs.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
+from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +110,21 @@ class ChunkFetcher:
         self._used = 0
         self._reserved = 0
         self._hold: set[ChunkKey] = set()  # chunks a reader asked for and has not read through
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch",
+                                        initializer=name_current)
         self.workers = workers
         # Sub-ranges of at least 1 MiB: smaller GETs cost more in requests than they save.
         self.split = max(1, min(split, chunk_size >> 20))
-        self._split_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="demand")
+        self._split_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="demand",
+                                              initializer=name_current)
         # Chunks are written to the disk cache by their own threads: an O_DIRECT write waits for
         # the disk, and a fetch worker held by it is a GET not in flight. At most this many
         # writes wait (the chunks stay readable in memory meanwhile); past that, fetches wait.
         self._writes = threading.BoundedSemaphore(16)
         self._pending_writes = 0
         self._settled = threading.Condition()
-        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write")
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write",
+                                          initializer=name_current)
         # Idle buffers kept: as many chunks as the budget, the demand fetches (one per worker,
         # as many reading threads as that at most in practice) and the sweep's (half the
         # workers) take. A chunk waiting for the disk past the budget, or a reader's copy

@@ -32,6 +32,7 @@ import fsspec.config
 from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ class Remote:
         with self._pool_lock:
             if self._part_pool is None:
                 self._part_pool = cf.ThreadPoolExecutor(max_workers=2 * self.settings.upload_concurrency + 2,
-                                                        thread_name_prefix="marinfs-upload")
+                                                        thread_name_prefix="marinfs-upload",
+                                                        initializer=name_current)
             return self._part_pool
 
     def close(self) -> None:

@@ -1,0 +1,30 @@
+"""OS-level thread names, so ``top -H``, ``ps -L``, ``perf`` and ``/proc/PID/task/*/comm`` tell
+marinfs's threads apart (fetch workers, cache writes, libfuse's request threads) instead of
+showing "python" for all of them. Python 3.11 keeps ``threading`` names to itself."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+
+_PR_SET_NAME = 15
+_COMM_MAX = 15  # the kernel keeps 15 bytes of a thread's name (TASK_COMM_LEN - 1)
+
+try:
+    _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: names stay Python's own
+    _prctl = None
+
+
+def set_os_name(name: str) -> bool:
+    """Name the calling thread for the OS (cut to 15 bytes); False where that cannot be done."""
+    if _prctl is None:
+        return False
+    return _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode(errors="replace")[:_COMM_MAX]), 0, 0, 0) == 0
+
+
+def name_current() -> None:
+    """Give the calling thread its ``threading`` name at the OS level: an executor's
+    ``initializer``, or the first line of a thread's target."""
+    set_os_name(threading.current_thread().name)
