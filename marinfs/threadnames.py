@@ -25,6 +25,6 @@ def set_os_name(name: str) -> bool:
 
 
 def name_current() -> None:
-    """Give the calling thread its ``threading`` name at the OS level: an executor's
-    ``initializer``, or the first line of a thread's target."""
+    """Give the calling thread its ``threading`` name at the OS level (an executor's
+    ``initializer``: its workers are named ``PREFIX_N``)."""
     set_os_name(threading.current_thread().name)
