@@ -21,6 +21,7 @@ from marinfs.errors import MountError, UsageError
 from marinfs.mounts import live_mounts
 from marinfs.notify import sd_notify
 from marinfs.settings import CHILD, ENV
+from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "marinfs[%(process)d] %(levelname)s %(name)s: %(message)s"
@@ -188,9 +189,8 @@ def run_foreground(cfg: MountConfig) -> None:
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
-    watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop, live), daemon=True)
-    watcher.start()
-    threading.Thread(target=fs.remote.warm, name="warm", daemon=True).start()
+    watcher = start_thread(_watch_mount, "marinfs-watch", fs, cfg, stop, live)
+    start_thread(fs.remote.warm, "warm")
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),

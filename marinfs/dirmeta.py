@@ -36,6 +36,7 @@ from cachetools import LRUCache
 
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ class DirRecords:
                 return
             future: Future[_Record] = Future()
             self._reading[dir_key] = future
-        threading.Thread(target=self._read_into, args=(dir_key, future), name="record-get", daemon=True).start()
+        start_thread(self._read_into, "record-get", dir_key, future)
 
     def _read_into(self, dir_key: str, future: Future[_Record]) -> None:
         try:
@@ -383,8 +384,7 @@ class DirRecords:
     def _start_locked(self) -> None:
         self._stop = False  # a change after close() (or during it) is written too
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="marinfs-dirmeta", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._run, "marinfs-dirmeta")
 
     # -- by key (what a Remote calls) ----------------------------------------------------------
     def fill(self, info: ObjectInfo, repair: bool = False) -> ObjectInfo:

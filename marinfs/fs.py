@@ -39,6 +39,7 @@ from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
 from marinfs.staging import StagedFile
+from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -1151,8 +1152,7 @@ class Filesystem:
         timeout; what is left stays staged with its journal for the next start to commit."""
         if self.listings is not None:
             self.listings.close()  # nothing will read ahead any more
-        worker = threading.Thread(target=self._close_all, name="marinfs-drain", daemon=True)
-        worker.start()
+        worker = start_thread(self._close_all, "marinfs-drain")
         worker.join(self.drain_timeout)
         self.drained = not worker.is_alive()
         if not self.drained:

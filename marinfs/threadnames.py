@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from collections.abc import Callable
 
 _PR_SET_NAME = 15
 _COMM_MAX = 15  # the kernel keeps 15 bytes of a thread's name (TASK_COMM_LEN - 1)
@@ -28,3 +29,14 @@ def name_current() -> None:
     """Give the calling thread its ``threading`` name at the OS level (an executor's
     ``initializer``: its workers are named ``PREFIX_N``)."""
     set_os_name(threading.current_thread().name)
+
+
+def start_thread(target: Callable[..., object], name: str, *args: object) -> threading.Thread:
+    """A daemon thread named ``name`` for Python and for the OS alike, started."""
+    def run() -> None:
+        set_os_name(name)
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from marinfs.reader import ChunkFetcher
-from marinfs.threadnames import set_os_name
+from marinfs.threadnames import set_os_name, start_thread
 
 
 def _comm(tid: int | None = None) -> str:
@@ -39,6 +39,14 @@ def test_a_thread_is_named_for_the_os_cut_to_what_the_kernel_keeps() -> None:
     t.start()
     t.join()
     assert got == ["a-long-thread-n"]  # 15 bytes: TASK_COMM_LEN - 1
+
+
+@pytest.mark.unit
+def test_a_started_thread_has_its_name_for_python_and_the_os() -> None:
+    got: list[tuple[str, str, int]] = []
+    t = start_thread(lambda n: got.append((threading.current_thread().name, _comm(), n)), "marinfs-drain", 7)
+    t.join()
+    assert t.daemon and got == [("marinfs-drain", "marinfs-drain", 7)]
 
 
 @pytest.mark.unit

@@ -226,7 +226,7 @@ class Remote:
         with self._pool_lock:
             if self._part_pool is None:
                 self._part_pool = cf.ThreadPoolExecutor(max_workers=2 * self.settings.upload_concurrency + 2,
-                                                        thread_name_prefix="marinfs-upload",
+                                                        thread_name_prefix="upload",
                                                         initializer=name_current)
             return self._part_pool
 
