@@ -189,7 +189,7 @@ def run_foreground(cfg: MountConfig) -> None:
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
-    watcher = start_thread(_watch_mount, "marinfs-watch", fs, cfg, stop, live)
+    start_thread(_watch_mount, "marinfs-watch", fs, cfg, stop, live)
     start_thread(fs.remote.warm, "warm")
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
