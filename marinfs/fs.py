@@ -87,6 +87,10 @@ class Handle:
     staged: StagedFile | None = None  # set for handles that may write
     reader: ObjectReader | None = None
     keep_kernel_cache: bool = False
+    # Read through the kernel's page cache of the file (counted in Filesystem._page_users), or
+    # around it (FOPEN_DIRECT_IO) while handles of another version are open there.
+    page_user: bool = False
+    direct: bool = False
     served: bool = False  # bytes of info's version were returned: it may not change any more
 
     @property
@@ -144,6 +148,8 @@ class Filesystem:
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
+        # Open read handles using the kernel's page cache of a key: (their version, how many).
+        self._page_users: dict[str, tuple[ObjectVersion, int]] = {}
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
@@ -684,10 +690,20 @@ class Filesystem:
         staged = self._acquire_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:
-            previous = self._kernel_versions.get(key)
-            handle.keep_kernel_cache = (not writable and info.version is not None and key not in self._staged
-                                        and (previous == info.version or self.metadata.is_immutable(key)))
-            self._kernel_versions[key] = None if writable else info.version
+            users = self._page_users.get(key)
+            tracked = not writable and info.version is not None and key not in self._staged
+            if tracked and users is not None and users[0] != info.version:
+                # The kernel keeps one page cache per file, shared by every handle: readers of
+                # another version are filling it. This one reads around it, so neither side
+                # reads the other's bytes; the page cache stays theirs (docs/semantics.md).
+                handle.direct = True
+            else:
+                previous = self._kernel_versions.get(key)
+                handle.keep_kernel_cache = tracked and (previous == info.version or self.metadata.is_immutable(key))
+                self._kernel_versions[key] = None if writable else info.version
+                if tracked:
+                    handle.page_user = True
+                    self._page_users[key] = (info.version, (users[1] if users else 0) + 1)
         return self._new_handle(handle)
 
     def handle_info(self, fh: int) -> ObjectInfo:
@@ -703,6 +719,11 @@ class Filesystem:
     def keeps_kernel_cache(self, fh: int) -> bool:
         """Whether the kernel may keep the pages it cached for this file (version unchanged)."""
         return self._handle(fh).keep_kernel_cache
+
+    def bypasses_kernel_cache(self, fh: int) -> bool:
+        """Whether this handle's reads must go around the kernel's page cache (direct I/O):
+        handles of another version of the file are open and reading through it."""
+        return self._handle(fh).direct
 
     def create(self, path: str, flags: int, mode: int | None = None) -> int:
         """A new file (an existing one is opened: ``mode`` applies only to new files). Its mode
@@ -763,14 +784,29 @@ class Filesystem:
         try:
             n = self._reader(handle).read_into(dest, offset)
         except StaleVersionError:
-            if handle.served:
+            if handle.served or not self._may_repin(handle):
                 raise  # never mix versions within one handle: ESTALE
             # Nothing served yet: the stat we opened with was stale. Open the new version.
             self.metadata.invalidate(handle.key)
-            handle.info, handle.reader = self.lookup(handle.key), None
+            info = self.lookup(handle.key)
+            with self._lock:
+                if handle.page_user:  # the only reader of the page cache: it follows
+                    self._page_users[handle.key] = (info.version, 1)
+                    self._kernel_versions[handle.key] = info.version
+            handle.info, handle.reader = info, None
             n = self._reader(handle).read_into(dest, offset)
         handle.served = True  # only bytes actually returned pin the handle to its version
         return n
+
+    def _may_repin(self, handle: Handle) -> bool:
+        """Whether a handle that served nothing may move to the object's new version. Through
+        the kernel's page cache only if nothing there can be the old version's: the kernel
+        dropped the file's pages at this open (no keep_cache) and no other reader fills them."""
+        if not handle.page_user:
+            return True
+        with self._lock:
+            users = self._page_users.get(handle.key)
+        return not handle.keep_kernel_cache and users is not None and users[1] == 1
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
@@ -889,6 +925,10 @@ class Filesystem:
     def release(self, fh: int) -> None:
         with self._lock:
             handle = self._handles.pop(fh, None)
+            if handle is not None and handle.page_user:
+                version, count = self._page_users.pop(handle.key)
+                if count > 1:
+                    self._page_users[handle.key] = (version, count - 1)
         if handle is not None and handle.reader is not None:
             handle.reader.close()
         if handle is not None and handle.staged is not None:

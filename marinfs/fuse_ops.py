@@ -182,6 +182,7 @@ class FuseAdapter(fuse.Operations):
     def open(self, path: str, fi: Any) -> int:
         fi.fh = self.fs.open(path, fi.flags)
         fi.keep_cache = self.fs.keeps_kernel_cache(fi.fh)
+        fi.direct_io = self.fs.bypasses_kernel_cache(fi.fh)
         return 0
 
     @_errors

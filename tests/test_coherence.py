@@ -5,6 +5,7 @@ runs in this process so the test can read its request counters."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
@@ -179,3 +180,43 @@ def test_polling_a_status_file_costs_one_request_per_ttl(nodes: Nodes) -> None:
     # Per TTL: one HEAD for the file, one LIST to revalidate its directory; not one per poll.
     assert counts.get("head", 0) <= seconds / TTL + 2, counts
     assert sum(counts.values()) <= 2 * (seconds / TTL + 2), counts
+
+
+def test_handles_of_two_versions_never_read_each_others_pages(nodes: Nodes) -> None:
+    """The kernel keeps one page cache per file, not per handle: an old version's handle must
+    not fill it with bytes that a handle of the new version then reads, nor the other way.
+    On node A (a daemon of its own): this process maps the file, and its faults must not wait
+    for node B's libfuse threads, which need this process's interpreter lock."""
+    old, new = os.urandom(8 * MiB), os.urandom(8 * MiB)
+    path = nodes.a / "twice"
+    nodes.c_put("twice", old)
+    eventually(lambda: exists(path))
+    h1 = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(h1, 8 * MiB, 0) == old  # the old version, whole, in A's chunk cache
+        m1 = mmap.mmap(h1, 8 * MiB, prot=mmap.PROT_READ)
+        nodes.c_put("twice", new)
+
+        def new_open() -> bool:
+            with open(path, "rb", buffering=0) as f:
+                return f.read(4096) == new[:4096]
+
+        eventually(new_open)
+        h2 = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(h1, MiB, 4 * MiB) == old[4 * MiB:5 * MiB]  # still the version it opened
+            assert os.pread(h2, MiB, 4 * MiB) == new[4 * MiB:5 * MiB]
+            assert os.pread(h2, MiB, 6 * MiB) == new[6 * MiB:7 * MiB]
+            assert os.pread(h1, MiB, 6 * MiB) == old[6 * MiB:7 * MiB]
+            assert m1[2 * MiB:3 * MiB] == old[2 * MiB:3 * MiB]
+            with pytest.raises(OSError, check=lambda e: e.errno == errno.ENODEV):
+                mmap.mmap(h2, 8 * MiB, prot=mmap.PROT_READ)  # shared: it reads around the page cache
+        finally:
+            os.close(h2)
+        m1.close()
+    finally:
+        os.close(h1)
+    with open(path, "rb") as f:  # the old handles are gone: a new open takes the page cache
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert m[:] == new
+        m.close()

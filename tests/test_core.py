@@ -604,6 +604,50 @@ def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, r
     fs.release(fh)
 
 
+def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: Filesystem, remote: Remote) -> None:
+    """The kernel has one page cache per file: while readers of one version use it, a reader of
+    another version reads around it (direct I/O), and the cache is theirs until the last closes."""
+    put(remote, "a", b"old")
+    h1 = fs.open("/a", os.O_RDONLY)
+    h1b = fs.open("/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(h1) and fs.keeps_kernel_cache(h1b)  # one version: shared
+    assert fs.read(h1, 10, 0) == b"old"  # pinned (and in the fetcher's memory)
+    put(remote, "a", b"newer!")
+    fs.metadata.forget("a")  # as after the TTL
+    h2 = fs.open("/a", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(h2) and not fs.keeps_kernel_cache(h2)
+    assert fs.read(h2, 10, 0) == b"newer!" and fs.read(h1, 10, 0) == b"old"
+    fs.release(h1)
+    h3 = fs.open("/a", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(h3)  # h1b still reads the old version through it
+    fs.release(h1b)
+    fs.release(h3)
+    put(remote, "a", b"third")
+    fs.metadata.forget("a")
+    h4 = fs.open("/a", os.O_RDONLY)
+    # The old readers are gone: the new version takes the page cache, dropping the old pages.
+    assert not fs.bypasses_kernel_cache(h4) and not fs.keeps_kernel_cache(h4)
+    h5 = fs.open("/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(h5) and fs.keeps_kernel_cache(h5)
+    put(remote, "a", b"fourth")  # before either read: "third" is gone
+    fs.metadata.forget("a")
+    # Neither served anything, but moving on to "fourth" could mix versions in the page cache:
+    # h5 kept its pages (keep_cache), and h4 shares it with h5.
+    with raises_errno(errno.ESTALE):
+        fs.read(h5, 10, 0)
+    with raises_errno(errno.ESTALE):
+        fs.read(h4, 10, 0)
+    fs.release(h5)
+    assert fs.read(h4, 10, 0) == b"fourth"  # its open dropped the pages, and it reads alone
+    h6 = fs.open("/a", os.O_RDONLY)
+    assert fs.keeps_kernel_cache(h6) and not fs.bypasses_kernel_cache(h6)  # h4 moved the cache on
+    w = fs.open("/a", os.O_WRONLY)  # a writer on this node: as before, it is not counted
+    assert not fs.bypasses_kernel_cache(w)
+    for fh in (h2, h4, h6, w):
+        fs.release(fh)
+    assert fs._page_users == {}
+
+
 def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path) -> None:
     """The daemon and the metrics read one snapshot from the filesystem, and close() releases
     the chunk cache: the next daemon on the same cache directory may take it."""
