@@ -87,15 +87,25 @@ class Handle:
     staged: StagedFile | None = None  # set for handles that may write
     reader: ObjectReader | None = None
     keep_kernel_cache: bool = False
-    # Read through the kernel's page cache of the file (counted in Filesystem._page_users), or
-    # around it (FOPEN_DIRECT_IO) while handles of another version are open there.
-    page_user: bool = False
+    # Read through the kernel's page cache of the file (one of these PageUsers), or around it
+    # (FOPEN_DIRECT_IO) while handles of another version are open there.
+    page_users: PageUsers | None = None
     direct: bool = False
     served: bool = False  # bytes of info's version were returned: it may not change any more
 
     @property
     def append(self) -> bool:
         return bool(self.flags & os.O_APPEND)
+
+
+@dataclass(eq=False)
+class PageUsers:
+    """The open read handles of one file that read through the kernel's page cache of its
+    inode: all of one version. A name unlinked or renamed here gets a new inode (libfuse
+    forgets the old node), so then the name's next readers are counted anew."""
+
+    version: ObjectVersion
+    count: int = 0
 
 
 def key_of(path: str) -> str:
@@ -149,7 +159,7 @@ class Filesystem:
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
         # Open read handles using the kernel's page cache of a key: (their version, how many).
-        self._page_users: dict[str, tuple[ObjectVersion, int]] = {}
+        self._page_users: dict[str, PageUsers] = {}
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
@@ -692,7 +702,7 @@ class Filesystem:
         with self._lock:
             users = self._page_users.get(key)
             tracked = not writable and info.version is not None and key not in self._staged
-            if tracked and users is not None and users[0] != info.version:
+            if tracked and users is not None and users.version != info.version:
                 # The kernel keeps one page cache per file, shared by every handle: readers of
                 # another version are filling it. This one reads around it, so neither side
                 # reads the other's bytes; the page cache stays theirs (docs/semantics.md).
@@ -702,8 +712,10 @@ class Filesystem:
                 handle.keep_kernel_cache = tracked and (previous == info.version or self.metadata.is_immutable(key))
                 self._kernel_versions[key] = None if writable else info.version
                 if tracked:
-                    handle.page_user = True
-                    self._page_users[key] = (info.version, (users[1] if users else 0) + 1)
+                    if users is None:
+                        users = self._page_users[key] = PageUsers(info.version)
+                    users.count += 1
+                    handle.page_users = users
         return self._new_handle(handle)
 
     def handle_info(self, fh: int) -> ObjectInfo:
@@ -790,8 +802,8 @@ class Filesystem:
             self.metadata.invalidate(handle.key)
             info = self.lookup(handle.key)
             with self._lock:
-                if handle.page_user:  # the only reader of the page cache: it follows
-                    self._page_users[handle.key] = (info.version, 1)
+                if handle.page_users is not None:  # the only reader of the page cache: it follows
+                    handle.page_users.version = info.version
                     self._kernel_versions[handle.key] = info.version
             handle.info, handle.reader = info, None
             n = self._reader(handle).read_into(dest, offset)
@@ -802,11 +814,11 @@ class Filesystem:
         """Whether a handle that served nothing may move to the object's new version. Through
         the kernel's page cache only if nothing there can be the old version's: the kernel
         dropped the file's pages at this open (no keep_cache) and no other reader fills them."""
-        if not handle.page_user:
+        users = handle.page_users
+        if users is None:
             return True
         with self._lock:
-            users = self._page_users.get(handle.key)
-        return not handle.keep_kernel_cache and users is not None and users[1] == 1
+            return not handle.keep_kernel_cache and users.count == 1
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
@@ -925,10 +937,11 @@ class Filesystem:
     def release(self, fh: int) -> None:
         with self._lock:
             handle = self._handles.pop(fh, None)
-            if handle is not None and handle.page_user:
-                version, count = self._page_users.pop(handle.key)
-                if count > 1:
-                    self._page_users[handle.key] = (version, count - 1)
+            users = handle.page_users if handle is not None else None
+            if users is not None:
+                users.count -= 1
+                if not users.count and self._page_users.get(handle.key) is users:
+                    del self._page_users[handle.key]
         if handle is not None and handle.reader is not None:
             handle.reader.close()
         if handle is not None and handle.staged is not None:
@@ -1064,6 +1077,7 @@ class Filesystem:
         finally:
             self.metadata.invalidate(key)
             self._entries_changed(key)
+        self._new_inodes(key)
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
         """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
@@ -1144,6 +1158,14 @@ class Filesystem:
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
         self._entries_changed(src, dst)
+        self._new_inodes(src, dst)
+
+    def _new_inodes(self, *keys: str) -> None:
+        """These names (files, or trees) were unlinked or renamed here: the kernel's next open
+        of each is of another inode, with a page cache of its own (PageUsers)."""
+        with self._lock:
+            for k in [k for k in self._page_users if any(k == key or k.startswith(key + "/") for key in keys)]:
+                del self._page_users[k]
 
     def _move_staged(self, src: str, dst: str) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.

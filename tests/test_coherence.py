@@ -220,3 +220,19 @@ def test_handles_of_two_versions_never_read_each_others_pages(nodes: Nodes) -> N
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         assert m[:] == new
         m.close()
+
+
+def test_a_file_made_again_under_an_open_name_is_mapped_as_usual(nodes: Nodes) -> None:
+    """Unlinked and written again on this node, a name is a new inode: its readers share
+    nothing with the old file's open handle, and map it shared as any file."""
+    path = nodes.a / "again"
+    path.write_bytes(b"old" * 4096)
+    with open(path, "rb", buffering=0) as old:
+        assert old.read(3) == b"old"
+        os.unlink(path)
+        path.write_bytes(b"new" * 4096)
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            assert m[:] == b"new" * 4096
+            m.close()
+        assert os.pread(old.fileno(), 3, 9000) == b"old"  # the unlinked file, still open

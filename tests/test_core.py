@@ -648,6 +648,30 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
     assert fs._page_users == {}
 
 
+def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(fs: Filesystem, remote: Remote) -> None:
+    """libfuse gives the next file of that name another inode: its readers use the page cache
+    even while the old file's readers are still open."""
+    put(remote, "d/a", b"old")
+    h1 = fs.open("/d/a", os.O_RDONLY)
+    fs.unlink("/d/a")
+    write_file(fs, "/d/a", b"newer!")
+    h2 = fs.open("/d/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(h2)
+    fs.rename("/d", "/e")  # h2's inode is e/a's now; d/a, if made again, is another
+    fs.mkdir("/d")
+    write_file(fs, "/d/a", b"third")
+    h3 = fs.open("/d/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(h3)
+    for fh in (h1, h2, h3):
+        fs.release(fh)
+    h4 = fs.open("/d/a", os.O_RDONLY)  # the released old handles did not count against h4's
+    h5 = fs.open("/d/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(h4) and not fs.bypasses_kernel_cache(h5)
+    for fh in (h4, h5):
+        fs.release(fh)
+    assert fs._page_users == {}
+
+
 def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path) -> None:
     """The daemon and the metrics read one snapshot from the filesystem, and close() releases
     the chunk cache: the next daemon on the same cache directory may take it."""
