@@ -29,7 +29,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
+from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -101,11 +101,13 @@ class Handle:
 @dataclass(eq=False)
 class PageUsers:
     """The open read handles of one file that read through the kernel's page cache of its
-    inode: all of one version. A name unlinked or renamed here gets a new inode (libfuse
-    forgets the old node), so then the name's next readers are counted anew."""
+    inode: all of one version. The inode follows a rename here to its new name; a name
+    unlinked here gets a new inode (libfuse forgets the old node), counted anew."""
 
+    key: str
     version: ObjectVersion
     count: int = 0
+    filled: bool = False  # one of them served bytes: the page cache may hold this version's
 
 
 def key_of(path: str) -> str:
@@ -701,19 +703,21 @@ class Filesystem:
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:
             users = self._page_users.get(key)
-            tracked = not writable and info.version is not None and key not in self._staged
+            tracked = not writable and info.version is not None
             if tracked and users is not None and users.version != info.version:
                 # The kernel keeps one page cache per file, shared by every handle: readers of
                 # another version are filling it. This one reads around it, so neither side
-                # reads the other's bytes; the page cache stays theirs (docs/semantics.md).
-                handle.direct = True
+                # reads the other's bytes; the page cache and its pages stay theirs (kept:
+                # dropping them would only make them read again). docs/semantics.md.
+                handle.direct = handle.keep_kernel_cache = True
             else:
                 previous = self._kernel_versions.get(key)
-                handle.keep_kernel_cache = tracked and (previous == info.version or self.metadata.is_immutable(key))
+                handle.keep_kernel_cache = (tracked and key not in self._staged
+                                            and (previous == info.version or self.metadata.is_immutable(key)))
                 self._kernel_versions[key] = None if writable else info.version
                 if tracked:
                     if users is None:
-                        users = self._page_users[key] = PageUsers(info.version)
+                        users = self._page_users[key] = PageUsers(key, info.version)
                     users.count += 1
                     handle.page_users = users
         return self._new_handle(handle)
@@ -796,29 +800,38 @@ class Filesystem:
         try:
             n = self._reader(handle).read_into(dest, offset)
         except StaleVersionError:
-            if handle.served or not self._may_repin(handle):
-                raise  # never mix versions within one handle: ESTALE
+            assert handle.info is not None
+            opened = handle.info.version
+            with self._lock:
+                if handle.served or not self._may_repin_locked(handle, opened):
+                    raise  # never mix versions within one handle: ESTALE
             # Nothing served yet: the stat we opened with was stale. Open the new version.
             self.metadata.invalidate(handle.key)
             info = self.lookup(handle.key)
             with self._lock:
+                if not self._may_repin_locked(handle, opened):  # another reader came meanwhile
+                    raise
                 if handle.page_users is not None:  # the only reader of the page cache: it follows
                     handle.page_users.version = info.version
-                    self._kernel_versions[handle.key] = info.version
+                    self._kernel_versions[handle.page_users.key] = info.version
             handle.info, handle.reader = info, None
             n = self._reader(handle).read_into(dest, offset)
         handle.served = True  # only bytes actually returned pin the handle to its version
+        users = handle.page_users
+        if users is not None and not users.filled:
+            users.filled = True  # a plain store: read only under the lock, by a re-pin
         return n
 
-    def _may_repin(self, handle: Handle) -> bool:
+    def _may_repin_locked(self, handle: Handle, opened: ObjectVersion | None) -> bool:
         """Whether a handle that served nothing may move to the object's new version. Through
         the kernel's page cache only if nothing there can be the old version's: the kernel
-        dropped the file's pages at this open (no keep_cache) and no other reader fills them."""
+        dropped the file's pages at this open (no keep_cache), no reader of its version served
+        any since, and it is the only one (under ``self._lock``)."""
         users = handle.page_users
         if users is None:
             return True
-        with self._lock:
-            return not handle.keep_kernel_cache and users.count == 1
+        return (not handle.keep_kernel_cache and users.count == 1 and not users.filled
+                and users.version == opened and self._page_users.get(users.key) is users)
 
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
@@ -940,8 +953,8 @@ class Filesystem:
             users = handle.page_users if handle is not None else None
             if users is not None:
                 users.count -= 1
-                if not users.count and self._page_users.get(handle.key) is users:
-                    del self._page_users[handle.key]
+                if not users.count and self._page_users.get(users.key) is users:
+                    del self._page_users[users.key]
         if handle is not None and handle.reader is not None:
             handle.reader.close()
         if handle is not None and handle.staged is not None:
@@ -1077,7 +1090,7 @@ class Filesystem:
         finally:
             self.metadata.invalidate(key)
             self._entries_changed(key)
-        self._new_inodes(key)
+        self._forget_inodes(key)
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
         """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
@@ -1158,14 +1171,36 @@ class Filesystem:
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
         self._entries_changed(src, dst)
-        self._new_inodes(src, dst)
+        self._move_inodes(src, dst)
 
-    def _new_inodes(self, *keys: str) -> None:
-        """These names (files, or trees) were unlinked or renamed here: the kernel's next open
-        of each is of another inode, with a page cache of its own (PageUsers)."""
+    def _forget_inodes(self, key: str) -> None:
+        """``key`` (a file or a tree) was unlinked here, or replaced by a rename: the kernel's
+        next open of each name is of another inode, with a page cache of its own."""
         with self._lock:
-            for k in [k for k in self._page_users if any(k == key or k.startswith(key + "/") for key in keys)]:
+            for k in [k for k in self._page_users if k == key or k.startswith(key + "/")]:
                 del self._page_users[k]
+
+    def _move_inodes(self, src: str, dst: str) -> None:
+        """A rename here moved the inodes (libfuse renames the node) and their page caches:
+        their readers now count under the new names. The objects there are copies, of other
+        versions but the same bytes: the readers' count takes the new version, so the next
+        open of the new name shares the page cache; if it cannot be stat'ed, the old version
+        stays, and that open reads around it."""
+        self._forget_inodes(dst)
+        with self._lock:
+            moved = [self._page_users.pop(k) for k in list(self._page_users) if k == src or k.startswith(src + "/")]
+            for users in moved:
+                users.key = dst + users.key[len(src):]
+                self._page_users[users.key] = users
+        for users in moved:
+            try:
+                version = self.remote.stat(users.key).version
+            except (OSError, RemoteError):
+                continue
+            with self._lock:
+                if version is not None and self._page_users.get(users.key) is users:
+                    users.version = version
+                    self._kernel_versions[users.key] = version
 
     def _move_staged(self, src: str, dst: str) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.

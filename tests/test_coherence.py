@@ -216,10 +216,23 @@ def test_handles_of_two_versions_never_read_each_others_pages(nodes: Nodes) -> N
         m1.close()
     finally:
         os.close(h1)
-    with open(path, "rb") as f:  # the old handles are gone: a new open takes the page cache
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        assert m[:] == new
-        m.close()
+
+    def mapped_shared() -> bool:
+        """The old handles are gone: a new open takes the page cache (once the daemon has their
+        release, which close(2) does not wait for)."""
+        with open(path, "rb") as f:
+            try:
+                m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            except OSError as exc:
+                assert exc.errno == errno.ENODEV, exc
+                return False
+            try:
+                assert m[:] == new
+            finally:
+                m.close()
+            return True
+
+    eventually(mapped_shared)
 
 
 def test_a_file_made_again_under_an_open_name_is_mapped_as_usual(nodes: Nodes) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -615,7 +616,8 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
     put(remote, "a", b"newer!")
     fs.metadata.forget("a")  # as after the TTL
     h2 = fs.open("/a", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(h2) and not fs.keeps_kernel_cache(h2)
+    # Around the page cache, and leaving the old readers' pages where they are.
+    assert fs.bypasses_kernel_cache(h2) and fs.keeps_kernel_cache(h2)
     assert fs.read(h2, 10, 0) == b"newer!" and fs.read(h1, 10, 0) == b"old"
     fs.release(h1)
     h3 = fs.open("/a", os.O_RDONLY)
@@ -648,21 +650,79 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
     assert fs._page_users == {}
 
 
+def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"one")
+    h1 = fs.open("/a", os.O_RDONLY)  # no pages kept at this open
+    h2 = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h2, 10, 0) == b"one"  # h2 fills the page cache with "one"...
+    fs.release(h2)  # ...and leaves
+    put(remote, "a", b"two")
+    assert fs.fetcher.trim_idle(0.0)  # "one" leaves memory (and there is no disk cache): h1 must fetch
+    with raises_errno(errno.ESTALE):
+        fs.read(h1, 10, 0)  # moving on could mix "two" with h2's pages
+    fs.release(h1)
+
+    put(remote, "b", b"one")
+    h3 = fs.open("/b", os.O_RDONLY)
+    put(remote, "b", b"two")
+    real_lookup = fs.lookup
+    joined: list[int] = []
+
+    def lookup(key: str) -> ObjectInfo:  # another reader opens while h3 looks the new version up
+        info = real_lookup(key)
+        if not joined:
+            joined.append(0)
+            # with a stat as stale as h3's was: it joins h3's readers of "one"
+            fs.metadata.put_stat(replace(info, version=fs._handle(h3).info.version))
+            joined[0] = fs.open("/b", os.O_RDONLY)
+        return info
+
+    fs.lookup = lookup  # type: ignore[method-assign]
+    with raises_errno(errno.ESTALE):
+        fs.read(h3, 10, 0)
+    fs.lookup = real_lookup  # type: ignore[method-assign]
+    fs.release(h3)
+    fs.release(joined[0])
+    assert fs._page_users == {}
+
+
+def test_fs_readers_opened_beside_a_writer_are_counted(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"one")
+    w = fs.open("/a", os.O_RDWR)
+    r = fs.open("/a", os.O_RDONLY)
+    assert fs.read(r, 10, 0) == b"one"
+    fs.release(w)  # nothing written: nothing committed
+    put(remote, "a", b"two")
+    fs.metadata.forget("a")
+    r2 = fs.open("/a", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(r2)  # r still reads "one" through the page cache
+    fs.release(r)
+    fs.release(r2)
+
+
 def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(fs: Filesystem, remote: Remote) -> None:
-    """libfuse gives the next file of that name another inode: its readers use the page cache
-    even while the old file's readers are still open."""
+    """libfuse gives the next file of an unlinked name another inode, and moves a renamed
+    file's inode (its page cache) to the new name."""
     put(remote, "d/a", b"old")
     h1 = fs.open("/d/a", os.O_RDONLY)
     fs.unlink("/d/a")
     write_file(fs, "/d/a", b"newer!")
     h2 = fs.open("/d/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h2)
-    fs.rename("/d", "/e")  # h2's inode is e/a's now; d/a, if made again, is another
+    assert not fs.bypasses_kernel_cache(h2)  # another inode than h1's
+    assert fs.read(h2, 10, 0) == b"newer!"
+    fs.rename("/d", "/e")
     fs.mkdir("/d")
     write_file(fs, "/d/a", b"third")
     h3 = fs.open("/d/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h3)
-    for fh in (h1, h2, h3):
+    assert not fs.bypasses_kernel_cache(h3)  # d/a is a new inode again
+    # h2's inode (its page cache) is e/a's now, holding e/a's bytes: a new open shares it...
+    e1 = fs.open("/e/a", os.O_RDONLY)
+    assert not fs.bypasses_kernel_cache(e1) and fs.keeps_kernel_cache(e1)
+    put(remote, "e/a", b"changed")
+    fs.metadata.forget("e/a")
+    e2 = fs.open("/e/a", os.O_RDONLY)  # ...until e/a changes while they are open
+    assert fs.bypasses_kernel_cache(e2)
+    for fh in (h1, h2, h3, e1, e2):
         fs.release(fh)
     h4 = fs.open("/d/a", os.O_RDONLY)  # the released old handles did not count against h4's
     h5 = fs.open("/d/a", os.O_RDONLY)
