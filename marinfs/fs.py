@@ -29,7 +29,7 @@ from typing import Any
 from cachetools import LRUCache
 
 from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError
+from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -91,6 +91,7 @@ class Handle:
     # (FOPEN_DIRECT_IO) while handles of another version are open there.
     page_users: PageUsers | None = None
     direct: bool = False
+    orphan: bool = False  # its name was unlinked or renamed here: it never moves to the name's new object
     served: bool = False  # bytes of info's version were returned: it may not change any more
 
     @property
@@ -108,6 +109,11 @@ class PageUsers:
     version: ObjectVersion
     count: int = 0
     filled: bool = False  # one of them served bytes: the page cache may hold this version's
+
+
+def _under(key: str, tree: str) -> bool:
+    """``key`` is ``tree`` or inside it."""
+    return key == tree or key.startswith(tree + "/")
 
 
 def key_of(path: str) -> str:
@@ -162,7 +168,9 @@ class Filesystem:
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
         # Open read handles using the kernel's page cache of a key: (their version, how many).
         self._page_users: dict[str, PageUsers] = {}
+        self.release_grace = 0.1  # seconds an open of another version waits for their release
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # a key's last page-cache reader let go
         self._handles: dict[int, Handle] = {}
         self._staged: dict[str, StagedFile] = {}
         self._own_mtimes: LRUCache[str, tuple[ObjectVersion, int]] = LRUCache(maxsize=65536)
@@ -705,6 +713,16 @@ class Filesystem:
             users = self._page_users.get(key)
             tracked = not writable and info.version is not None
             if tracked and users is not None and users.version != info.version:
+                # close(2) does not wait for the daemon's release: a reader of the old version
+                # that has just closed (a server reloading its model) is let go first.
+                deadline = time.monotonic() + self.release_grace
+                while users is not None and users.version != info.version:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._released.wait(left)
+                    users = self._page_users.get(key)
+            if tracked and users is not None and users.version != info.version:
                 # The kernel keeps one page cache per file, shared by every handle: readers of
                 # another version are filling it. This one reads around it, so neither side
                 # reads the other's bytes; the page cache and its pages stay theirs (kept:
@@ -797,8 +815,9 @@ class Filesystem:
             staged = other if other is not None and other.dirty else None
         if staged is not None:
             return staged.read_into(dest, offset)
+        reader = self._reader(handle)
         try:
-            n = self._reader(handle).read_into(dest, offset)
+            n = reader.read_into(dest, offset)
         except StaleVersionError:
             assert handle.info is not None
             opened = handle.info.version
@@ -811,15 +830,22 @@ class Filesystem:
             with self._lock:
                 if not self._may_repin_locked(handle, opened):  # another reader came meanwhile
                     raise
+                if handle.served or not self._may_repin_locked(handle, opened):  # a read, a reader came meanwhile
+                    raise
                 if handle.page_users is not None:  # the only reader of the page cache: it follows
                     handle.page_users.version = info.version
                     self._kernel_versions[handle.page_users.key] = info.version
-            handle.info, handle.reader = info, None
-            n = self._reader(handle).read_into(dest, offset)
-        handle.served = True  # only bytes actually returned pin the handle to its version
-        users = handle.page_users
-        if users is not None and not users.filled:
-            users.filled = True  # a plain store: read only under the lock, by a re-pin
+                handle.info, handle.reader = info, None
+            reader = self._reader(handle)
+            n = reader.read_into(dest, offset)
+        with self._lock:
+            if handle.reader is not reader:
+                # Another read of this handle moved it to a newer version while this one read
+                # the old: fail this one rather than answer both.
+                raise StaleVersionError(f"{handle.key} changed while it was read")
+            handle.served = True  # only bytes actually returned pin the handle to its version
+            if handle.page_users is not None:
+                handle.page_users.filled = True
         return n
 
     def _may_repin_locked(self, handle: Handle, opened: ObjectVersion | None) -> bool:
@@ -827,6 +853,8 @@ class Filesystem:
         the kernel's page cache only if nothing there can be the old version's: the kernel
         dropped the file's pages at this open (no keep_cache), no reader of its version served
         any since, and it is the only one (under ``self._lock``)."""
+        if handle.orphan:
+            return False  # its name was unlinked or renamed here: the name's object is another file's
         users = handle.page_users
         if users is None:
             return True
@@ -836,12 +864,15 @@ class Filesystem:
     def _reader(self, handle: Handle) -> ObjectReader:
         reader = handle.reader
         if reader is None:
-            info = handle.info
-            assert info is not None
-            version = info.version or ObjectVersion.unversioned(id(handle))
-            ref = ObjectRef(url=f"{self.remote.url}/{handle.key}", key=handle.key, version=version,
-                            size=info.size)
-            reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
+            with self._lock:  # one reader per version of a handle, however many reads ask at once
+                reader = handle.reader
+                if reader is None:
+                    info = handle.info
+                    assert info is not None
+                    version = info.version or ObjectVersion.unversioned(id(handle))
+                    ref = ObjectRef(url=f"{self.remote.url}/{handle.key}", key=handle.key, version=version,
+                                    size=info.size)
+                    reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
         return reader
 
     def write(self, fh: int, data: bytes | memoryview, offset: int) -> int:
@@ -955,6 +986,7 @@ class Filesystem:
                 users.count -= 1
                 if not users.count and self._page_users.get(users.key) is users:
                     del self._page_users[users.key]
+                    self._released.notify_all()
         if handle is not None and handle.reader is not None:
             handle.reader.close()
         if handle is not None and handle.staged is not None:
@@ -1177,30 +1209,27 @@ class Filesystem:
         """``key`` (a file or a tree) was unlinked here, or replaced by a rename: the kernel's
         next open of each name is of another inode, with a page cache of its own."""
         with self._lock:
-            for k in [k for k in self._page_users if k == key or k.startswith(key + "/")]:
+            self._orphan_handles_locked(key)
+            for k in [k for k in self._page_users if _under(k, key)]:
                 del self._page_users[k]
 
     def _move_inodes(self, src: str, dst: str) -> None:
         """A rename here moved the inodes (libfuse renames the node) and their page caches:
         their readers now count under the new names. The objects there are copies, of other
-        versions but the same bytes: the readers' count takes the new version, so the next
-        open of the new name shares the page cache; if it cannot be stat'ed, the old version
-        stays, and that open reads around it."""
+        versions, and of what the source held when copied, which may not be what the readers
+        read: the next open of a new name reads around the page cache until they close."""
         self._forget_inodes(dst)
         with self._lock:
-            moved = [self._page_users.pop(k) for k in list(self._page_users) if k == src or k.startswith(src + "/")]
+            self._orphan_handles_locked(src)
+            moved = [self._page_users.pop(k) for k in list(self._page_users) if _under(k, src)]
             for users in moved:
                 users.key = dst + users.key[len(src):]
                 self._page_users[users.key] = users
-        for users in moved:
-            try:
-                version = self.remote.stat(users.key).version
-            except (OSError, RemoteError):
-                continue
-            with self._lock:
-                if version is not None and self._page_users.get(users.key) is users:
-                    users.version = version
-                    self._kernel_versions[users.key] = version
+
+    def _orphan_handles_locked(self, key: str) -> None:
+        for handle in self._handles.values():
+            if handle.staged is None and _under(handle.key, key):
+                handle.orphan = True
 
     def _move_staged(self, src: str, dst: str) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.

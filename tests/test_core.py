@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import stat
+import threading
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_stor
 from marinfs.errors import FsError, RemoteError, UsageError, errno_for
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
+from marinfs.reader import ChunkFetcher
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
 from marinfs.staging import StagedFile
 import tiers
@@ -715,14 +717,16 @@ def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(
     write_file(fs, "/d/a", b"third")
     h3 = fs.open("/d/a", os.O_RDONLY)
     assert not fs.bypasses_kernel_cache(h3)  # d/a is a new inode again
-    # h2's inode (its page cache) is e/a's now, holding e/a's bytes: a new open shares it...
+    # h2's inode (its page cache) is e/a's now; e/a is a copy of whatever d/a held when it was
+    # copied, which may not be what h2 read: a new open reads around it while h2 is open...
+    fs.release_grace = 0.0
     e1 = fs.open("/e/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(e1) and fs.keeps_kernel_cache(e1)
-    put(remote, "e/a", b"changed")
-    fs.metadata.forget("e/a")
-    e2 = fs.open("/e/a", os.O_RDONLY)  # ...until e/a changes while they are open
-    assert fs.bypasses_kernel_cache(e2)
-    for fh in (h1, h2, h3, e1, e2):
+    same = fs._handle(e1).info.version == fs._handle(h2).info.version  # a local rename keeps it
+    assert fs.bypasses_kernel_cache(e1) != same
+    fs.release(h2)
+    e2 = fs.open("/e/a", os.O_RDONLY)  # ...and takes the page cache once h2 is gone
+    assert not fs.bypasses_kernel_cache(e2)
+    for fh in (h1, h3, e1, e2):
         fs.release(fh)
     h4 = fs.open("/d/a", os.O_RDONLY)  # the released old handles did not count against h4's
     h5 = fs.open("/d/a", os.O_RDONLY)
@@ -730,6 +734,71 @@ def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(
     for fh in (h4, h5):
         fs.release(fh)
     assert fs._page_users == {}
+
+
+def test_fs_one_handle_never_answers_two_versions_even_from_concurrent_reads(remote: Remote, tmp_path: Path) -> None:
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging",
+                    fetcher=ChunkFetcher(remote.read_range, None, chunk_size=64 * KiB))
+    fs.release_grace = 0.0
+    put(remote, "a", b"0" * (128 * KiB))
+    h0 = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h0, 1, 0) == b"0"  # readers of "0"s hold the page cache
+    put(remote, "a", b"1" * (128 * KiB))
+    fs.metadata.forget("a")
+    h = fs.open("/a", os.O_RDONLY)
+    other = fs.open("/a", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(h) and fs.read(other, 1, 0) == b"1"  # chunk 0 of "1"s in memory
+    put(remote, "a", b"2" * (128 * KiB))
+    fs.metadata.forget("a")
+    real_lookup, inner = fs.lookup, []
+
+    def lookup(key: str) -> ObjectInfo:  # h's first read looks up the new version: another read of h meanwhile
+        if not inner:
+            inner.append(fs.read(h, 4, 0))
+        return real_lookup(key)
+
+    fs.lookup = lookup  # type: ignore[method-assign]
+    with raises_errno(errno.ESTALE):
+        fs.read(h, 4, 100 * KiB)  # chunk 1 of "1"s is gone: it may not move on, as h served "1"s
+    fs.lookup = real_lookup  # type: ignore[method-assign]
+    assert inner == [b"1111"]
+    for fh in (h0, h, other):
+        fs.release(fh)
+
+
+def test_fs_a_handle_whose_name_was_unlinked_here_never_reads_the_names_next_file(fs: Filesystem, remote: Remote) -> None:
+    fs.release_grace = 0.0
+    put(remote, "a", b"first file")
+    h0 = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h0, 1, 0) == b"f"
+    put(remote, "a", b"old file")
+    fs.metadata.forget("a")
+    direct = fs.open("/a", os.O_RDONLY)  # reads around h0's page cache; served nothing yet
+    assert fs.bypasses_kernel_cache(direct)
+    fs.unlink("/a")
+    write_file(fs, "/a", b"another file")
+    assert fs.read(h0, 20, 2) == b"rst file"  # pinned: its version, from memory
+    with pytest.raises(OSError, check=lambda e: e.errno in (errno.ESTALE, errno.ENOENT)):
+        fs.read(direct, 20, 2)  # "old file" is gone; the name's file now is another one
+    fs.release(h0)
+    fs.release(direct)
+
+
+def test_fs_an_open_of_a_new_version_waits_a_moment_for_a_closing_old_reader(fs: Filesystem, remote: Remote) -> None:
+    """close(2) returns before the daemon has the release: a reload that closes the old file and
+    opens the new one at once still gets the page cache (a shared map)."""
+    put(remote, "a", b"old")
+    h1 = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h1, 3, 0) == b"old"
+    put(remote, "a", b"new")
+    fs.metadata.forget("a")
+    fs.release_grace = 5.0
+    late = threading.Timer(0.05, fs.release, (h1,))
+    late.start()
+    h2 = fs.open("/a", os.O_RDONLY)
+    late.join()
+    assert not fs.bypasses_kernel_cache(h2) and fs.read(h2, 3, 0) == b"new"
+    fs.release(h2)
 
 
 def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path) -> None:
