@@ -658,7 +658,7 @@ def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs
     h2 = fs.open("/a", os.O_RDONLY)
     assert fs.read(h2, 10, 0) == b"one"  # h2 fills the page cache with "one"...
     fs.release(h2)  # ...and leaves
-    put(remote, "a", b"two")
+    put(remote, "a", b"two!")  # (another size: a local version's mtime may not have moved)
     assert fs.fetcher.trim_idle(0.0)  # "one" leaves memory (and there is no disk cache): h1 must fetch
     with raises_errno(errno.ESTALE):
         fs.read(h1, 10, 0)  # moving on could mix "two" with h2's pages
@@ -666,7 +666,7 @@ def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs
 
     put(remote, "b", b"one")
     h3 = fs.open("/b", os.O_RDONLY)
-    put(remote, "b", b"two")
+    put(remote, "b", b"two!")
     real_lookup = fs.lookup
     joined: list[int] = []
 
@@ -694,7 +694,7 @@ def test_fs_readers_opened_beside_a_writer_are_counted(fs: Filesystem, remote: R
     r = fs.open("/a", os.O_RDONLY)
     assert fs.read(r, 10, 0) == b"one"
     fs.release(w)  # nothing written: nothing committed
-    put(remote, "a", b"two")
+    put(remote, "a", b"two!")
     fs.metadata.forget("a")
     r2 = fs.open("/a", os.O_RDONLY)
     assert fs.bypasses_kernel_cache(r2)  # r still reads "one" through the page cache
@@ -737,18 +737,18 @@ def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(
 
 
 def test_fs_one_handle_never_answers_two_versions_even_from_concurrent_reads(remote: Remote, tmp_path: Path) -> None:
-    fs = Filesystem(remote, staging_dir=tmp_path / "staging",
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", max_readahead_chunks=0,  # chunk 1: never fetched
                     fetcher=ChunkFetcher(remote.read_range, None, chunk_size=64 * KiB))
     fs.release_grace = 0.0
     put(remote, "a", b"0" * (128 * KiB))
     h0 = fs.open("/a", os.O_RDONLY)
     assert fs.read(h0, 1, 0) == b"0"  # readers of "0"s hold the page cache
-    put(remote, "a", b"1" * (128 * KiB))
+    put(remote, "a", b"1" * (128 * KiB + 1))
     fs.metadata.forget("a")
     h = fs.open("/a", os.O_RDONLY)
     other = fs.open("/a", os.O_RDONLY)
     assert fs.bypasses_kernel_cache(h) and fs.read(other, 1, 0) == b"1"  # chunk 0 of "1"s in memory
-    put(remote, "a", b"2" * (128 * KiB))
+    put(remote, "a", b"2" * (128 * KiB + 2))
     fs.metadata.forget("a")
     real_lookup, inner = fs.lookup, []
 
@@ -790,14 +790,14 @@ def test_fs_an_open_of_a_new_version_waits_a_moment_for_a_closing_old_reader(fs:
     put(remote, "a", b"old")
     h1 = fs.open("/a", os.O_RDONLY)
     assert fs.read(h1, 3, 0) == b"old"
-    put(remote, "a", b"new")
+    put(remote, "a", b"newer")
     fs.metadata.forget("a")
     fs.release_grace = 5.0
     late = threading.Timer(0.05, fs.release, (h1,))
     late.start()
     h2 = fs.open("/a", os.O_RDONLY)
     late.join()
-    assert not fs.bypasses_kernel_cache(h2) and fs.read(h2, 3, 0) == b"new"
+    assert not fs.bypasses_kernel_cache(h2) and fs.read(h2, 5, 0) == b"newer"
     fs.release(h2)
 
 
