@@ -166,7 +166,7 @@ class Filesystem:
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
-        # Open read handles using the kernel's page cache of a key: (their version, how many).
+        # The open read handles using the kernel's page cache of each key (one version each).
         self._page_users: dict[str, PageUsers] = {}
         self.release_grace = 0.1  # seconds an open of another version waits for their release
         self._lock = threading.Lock()
@@ -828,9 +828,7 @@ class Filesystem:
             self.metadata.invalidate(handle.key)
             info = self.lookup(handle.key)
             with self._lock:
-                if not self._may_repin_locked(handle, opened):  # another reader came meanwhile
-                    raise
-                if handle.served or not self._may_repin_locked(handle, opened):  # a read, a reader came meanwhile
+                if handle.served or not self._may_repin_locked(handle, opened):  # a read or a reader came meanwhile
                     raise
                 if handle.page_users is not None:  # the only reader of the page cache: it follows
                     handle.page_users.version = info.version
@@ -1227,6 +1225,7 @@ class Filesystem:
                 self._page_users[users.key] = users
 
     def _orphan_handles_locked(self, key: str) -> None:
+        """Read handles of ``key`` (a file or a tree) whose name was unlinked or renamed here."""
         for handle in self._handles.values():
             if handle.staged is None and _under(handle.key, key):
                 handle.orphan = True
