@@ -836,6 +836,8 @@ class Filesystem:
                 handle.info, handle.reader = info, None
             reader = self._reader(handle)
             n = reader.read_into(dest, offset)
+        if handle.served and handle.reader is reader:
+            return n  # both set under the lock; once served, the reader never changes again
         with self._lock:
             if handle.reader is not reader:
                 # Another read of this handle moved it to a newer version while this one read
