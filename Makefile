@@ -9,11 +9,31 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 REMOTE := $(or $(MARIN_PREFIX),/tmp/marin)
 MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 
-.PHONY: run test test-fast soak bench bench-charts bench-rw bench-deps bench-peers peer-deps install system-deps venv clean
+.PHONY: run test test-fast soak bench bench-charts bench-rw bench-deps bench-peers peer-deps install system-deps libfuse venv clean
 
 system-deps:
 	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null && command -v setfattr >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs attr; }
+
+# libfuse >= 3.17 lets the kernel read files the chunk cache holds whole by itself (FUSE
+# passthrough, docs/caching.md). Debian 12 ships 3.14: this builds Debian 13's 3.17 source
+# (checked against its SHA-256) into /usr/local, beside it; marinfs loads the newest
+# (marinfs/libfuse.py). Only the library: fusermount3 and the rest stay Debian's.
+LIBFUSE_VERSION := 3.17.2
+LIBFUSE_SHA256 := 3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
+LIBFUSE_URL := http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_$(LIBFUSE_VERSION).orig.tar.gz
+LIBFUSE_BUILD := build/libfuse
+
+libfuse:
+	@if /sbin/ldconfig -p | grep -q 'libfuse3\.so\.[4-9] '; then exit 0; fi; \
+	set -e; rm -rf $(LIBFUSE_BUILD); mkdir -p $(LIBFUSE_BUILD); cd $(LIBFUSE_BUILD); \
+	echo "building libfuse $(LIBFUSE_VERSION) into /usr/local (passthrough)"; \
+	$(PYTHON) -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], "src.tar.gz")' $(LIBFUSE_URL); \
+	echo "$(LIBFUSE_SHA256)  src.tar.gz" | sha256sum -c --quiet; \
+	tar xzf src.tar.gz; $(PYTHON) -m venv tools; tools/bin/pip install -q meson ninja; \
+	export PATH="$$PWD/tools/bin:$$PATH"; cd fuse-$(LIBFUSE_VERSION); \
+	meson setup build --prefix=/usr/local -Dexamples=false -Dutils=false -Dtests=false -Ddisable-mtab=true >/dev/null; \
+	ninja -C build >/dev/null; $(SUDO) env PATH="$$PATH" ninja -C build install >/dev/null; $(SUDO) /sbin/ldconfig
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-run: system-deps venv
+run: system-deps libfuse venv
 	@if [ -z "$(MARIN_PREFIX)" ]; then mkdir -p /tmp/marin; fi
 	@mkdir -p "$(MOUNT)"
 	@echo "marinfs: mounting $(REMOTE) at $(abspath $(MOUNT)) in the foreground;" \
@@ -34,7 +54,7 @@ run: system-deps venv
 # fake-gcs-server: most of the suite waits (TTL windows, servers down, retries), so two halve
 # it on 2 cores. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: system-deps venv
+test: system-deps libfuse venv
 	$(VENV)/bin/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # The unit and core tiers (docs/architecture.md, Tests): no FUSE mount, no object-store server,
@@ -60,7 +80,7 @@ soak: system-deps venv
 # docs/benchmarks.md). BENCH_ARGS passes options: BENCH_ARGS='--latency-ms 30', or a smoke run
 # BENCH_ARGS='--size-mib 64 --reps 1 --randoms 200 --faults 2000' (~1 min). The older
 # read/write benchmarks: `make bench-rw`.
-bench: system-deps bench-deps venv $(VENV)/.bench-installed
+bench: system-deps libfuse bench-deps venv $(VENV)/.bench-installed
 	$(VENV)/bin/python benchmarks/bench.py $(BENCH_ARGS)
 
 # PNGs of the last data-plane run (benchmarks/bench_charts.py): bench_rate.png and bench_cpu.png from
@@ -103,7 +123,7 @@ bench-peers: system-deps peer-deps venv $(VENV)/.bench-installed
 PREFIX ?= /usr/local
 SYSTEMD_DIR ?= /etc/systemd/system
 SBIN_DIR ?= /sbin
-install: system-deps
+install: system-deps libfuse
 	$(PYTHON) -m venv $(DESTDIR)$(PREFIX)/lib/marinfs/venv
 	$(DESTDIR)$(PREFIX)/lib/marinfs/venv/bin/pip install -q .
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)$(SBIN_DIR) $(DESTDIR)/etc/marinfs

@@ -1,13 +1,16 @@
 """On-disk chunk store: bounded size, LRU eviction, checksums, atomic writes, survives restarts.
 
-A chunk is ``chunk_size`` bytes of one object version, stored as one file named by a hash of
-(remote URL, version) plus the chunk index and the data's checksum:
-``chunks/ab/<objhash>-<index>-c<crc32c>`` (CRC-32C, hardware-accelerated: a quarter of the CPU
-of zlib's CRC-32 here). Chunks written before that are named ``<objhash>-<index>-<crc32>``
-(zlib CRC-32, always 8 hex digits) and are still read and verified as such: the name says
-which checksum it holds, so a cache directory from an older daemon keeps working and is never misread. A new version of an object has a new hash, so it can
-never be served old bytes. Files are written under a temporary name and renamed, and enter the
-index only once complete, so a crash or a full disk never leaves a chunk that looks present.
+The chunks of one object version live in one sparse file, the version's data file
+(``data/ab/<objhash>``, the hash of (remote URL, version)), each at its offset in the object, so
+a version cached whole is an ordinary file holding the object (what FUSE passthrough needs:
+fs.py). Each chunk is recorded by an empty file named for it and the data's checksum,
+``chunks/ab/<objhash>-<index>-c<crc32c>+<offset>+<size>`` (CRC-32C, hardware-accelerated: a
+quarter of the CPU of zlib's CRC-32 here), made only once its bytes are written, so a crash or a
+full disk never leaves a chunk that looks present. Chunks of older daemons, a file each, named
+``<objhash>-<index>-c<crc32c>`` or ``<objhash>-<index>-<crc32>`` (zlib CRC-32, always 8 hex
+digits), are still read and verified as such: the name says which checksum it holds, so a cache
+directory from an older daemon keeps working and is never misread. A new version of an object
+has a new hash, so it can never be served old bytes.
 
 Chunks are written with O_DIRECT where the filesystem allows it. Buffered writes of a cold
 read's 1 GiB dirty the page cache faster than writeback drains it, and the kernel then throttles
@@ -20,7 +23,8 @@ copied into the writing thread's aligned buffer first. The file is the same eith
 
 INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariants`): space is
 reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk
-that cannot fit is simply not cached.
+that cannot fit is simply not cached. A chunk's bytes are freed (a hole punched) only once no
+read is using them, and the same chunk is not written again until then.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import zlib
 from collections import OrderedDict
@@ -82,6 +85,9 @@ class ChunkKey:
     version: ObjectVersion | str
     index: int
     object_id: str = field(default="", compare=False, repr=False)  # cache_id(url, str(version))
+    # Where the chunk starts in its object (index x the mount's chunk size); -1: index x the
+    # cache's. A record made with another chunk size stands for other bytes: never served.
+    start: int = field(default=-1, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.object_id:
@@ -91,20 +97,30 @@ class ChunkKey:
         return hash((self.object_id, self.index))
 
     @classmethod
-    def of(cls, obj: ObjectRef, index: int) -> ChunkKey:
-        return cls(obj.url, obj.version, index, obj.cache_id)
+    def of(cls, obj: ObjectRef, index: int, start: int = -1) -> ChunkKey:
+        return cls(obj.url, obj.version, index, obj.cache_id, start)
 
 
 @dataclass
 class _Entry:
-    path: Path
+    path: Path  # its version's data file
+    offset: int  # where the chunk starts in it (and in the object)
     size: int
     crc: int
+    marker: Path  # the file recording it
     verified: bool = False  # checksum checked since this daemon started
     c: bool = True  # the checksum is CRC-32C ("-c" names); else zlib CRC-32 (older daemons)
-    fd: int = -1  # kept open while among the last chunks read (ChunkCache._open); -1: none
-    users: int = 0  # reads using ``fd`` right now: it is closed only once they are done
-    shut: bool = False  # ``fd`` is to be closed once ``users`` is 0 (left the index or _open)
+    users: int = 0  # reads of its bytes in flight: its region is punched only once they are done
+    gone: bool = False  # left the index while read: removed from disk by the last read's _done
+
+
+@dataclass
+class _Fd:
+    """A descriptor kept open for reads (ChunkCache._fds); closed only once no read uses it."""
+
+    fd: int
+    users: int = 0
+    shut: bool = False
 
 
 @dataclass
@@ -118,36 +134,58 @@ class CacheStats:
 
 
 class ChunkCache:
-    """The chunk store of one cache directory. Thread-safe; disk I/O is done outside the lock.
+    """The chunk store of one cache directory. Thread-safe; disk I/O is done outside the lock,
+    but for eviction's unlinks and hole punches.
 
     Only one daemon may use a cache directory at a time: a second one is refused (lock file),
     because two LRU indexes over one directory would evict each other's chunks blindly.
 
-    The last chunks read keep their files open (``OPEN_FILES`` of them): a mapped file's faults
-    read 4 KiB at a time, and an ``open`` and ``close`` per read cost as much as the read. A
-    chunk file never changes once renamed into place, so a kept descriptor always reads the
-    chunk's bytes; one is closed when its chunk leaves the index or the set, once no read is
-    using it (never closed under a read: its number could be reused by another file).
+    The chunks of one version live in one sparse file, its data file, each at its own offset in
+    the object (``data/ab/<objhash>``), and each is recorded by an empty marker file named for
+    it (``chunks/ab/<objhash>-<index>-c<crc>+<offset>+<size>``), made once its bytes are
+    written: a crash leaves at worst bytes with no marker, whose blocks the next start punches
+    out. A version whose every chunk is cached is then an ordinary file holding the whole
+    object, which the kernel can read by itself (FUSE passthrough: fs.py, ``pin``). Evicting a
+    chunk removes its marker and punches a hole in the data file, once no read is using the
+    chunk's bytes; the data file goes with its last chunk. Chunks of older daemons (a file per
+    chunk, ``<objhash>-<index>-<crc>``, which says nothing of the chunk size it was cut with)
+    are dropped at start: fetched again, never misread.
+
+    The last data files read keep a descriptor open (``OPEN_FILES`` of them): a mapped file's
+    faults read 4 KiB at a time, and an ``open`` and ``close`` per read cost as much as the
+    read. One is closed when its file leaves the set, once no read is using it (never closed
+    under a read: its number could be reused by another file).
     """
 
     OPEN_FILES = 64
 
     def __init__(self, cache_dir: Path, max_bytes: int, min_free_bytes: int = 0,
-                 lock: bool = True) -> None:
+                 lock: bool = True, chunk_size: int = 8 << 20) -> None:
         self.dir = chunks_dir(cache_dir)
+        self.data = data_dir(cache_dir)
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
+        self.chunk_size = chunk_size  # where chunk N starts, for keys that do not say (ChunkKey.start)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU order, oldest first
-        self._open: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # entries with a kept fd
+        self._fds: OrderedDict[Path, _Fd] = OrderedDict()  # kept descriptors, least recently read first
+        # Data file -> its chunks in the index, those that left it while read, and writes into
+        # it in flight: it is unlinked only at 0, so no read or write ever meets a new file of
+        # the same name.
+        self._files: dict[Path, int] = {}
+        self._punching: set[tuple[str, int]] = set()  # chunks whose region waits for its reads to end
+        self._writing: set[tuple[str, int]] = set()  # chunks being written by put
+        self._pins: dict[str, int] = {}  # object id -> open pins (``pin``): its chunks are not evicted
         self.used = 0
         self._reserved = 0
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(cache_dir, 0o700)
         self.dir.mkdir(exist_ok=True, mode=0o700)
+        self.data.mkdir(exist_ok=True, mode=0o700)
         self._direct_io = hasattr(os, "O_DIRECT")
         self._direct_read = self._direct_io
+        self._punch = True  # the cache's filesystem punches holes; else an eviction takes the whole file
         self._advise_step = _readahead_limit(self.dir)  # what one WILLNEED reads (advise)
         self._local = threading.local()  # each writing thread's aligned O_DIRECT buffer
         self._lock_fd: int | None = None
@@ -157,8 +195,10 @@ class ChunkCache:
 
     # -- startup -------------------------------------------------------------------------------
     def _load(self) -> None:
-        """Rebuild the index from disk, oldest access first; drop leftovers and excess."""
+        """Rebuild the index from disk, oldest first; drop leftovers, bytes no marker records,
+        and excess."""
         found = []
+        have: dict[Path, bool] = {}  # data file -> it exists
         for sub in self.dir.iterdir():
             if not sub.is_dir():
                 continue
@@ -168,30 +208,90 @@ class ChunkCache:
                     path.unlink(missing_ok=True)
                     continue
                 try:
-                    object_id, index, crc = name.rsplit("-", 2)
-                    c = len(crc) == 9 and crc[0] == "c"  # older names are 8 hex digits, never 9
+                    object_id, index, rest = name.rsplit("-", 2)
+                    crc, _, place = rest.partition("+")
+                    if not place:
+                        raise ValueError("an older daemon's chunk file, of a chunk size it does not say")
+                    c = len(crc) == 9 and crc[0] == "c"  # zlib CRC-32 names are 8 hex digits, never 9
                     if c and _crc32c is None:
                         raise ValueError("a CRC-32C chunk and no CRC-32C to check it: fetched again")
-                    st = path.stat()
-                    found.append((st.st_atime_ns, (object_id, int(index)), path, st.st_size,
-                                  int(crc[1:] if c else crc, 16), c))
+                    offset, size = (int(v) for v in place.split("+"))
+                    where = self._data_file(object_id)
+                    if where not in have:
+                        have[where] = where.exists()
+                    if not have[where]:
+                        raise ValueError("its data file is gone")
+                    found.append((path.stat().st_atime_ns, (object_id, int(index)),
+                                  _Entry(where, offset, size, int(crc[1:] if c else crc, 16), path, c=c)))
                 except (ValueError, OSError):
                     path.unlink(missing_ok=True)
         found.sort(key=lambda item: item[0])
-        for _, key, path, size, crc, c in found:
-            self._index[key] = _Entry(path, size, crc, c=c)
-            self.used += size
+        regions: dict[Path, list[tuple[int, int]]] = {}
+        for _, key, entry in found:
+            regions.setdefault(entry.path, []).append((entry.offset, entry.size))
+            self._files[entry.path] = self._files.get(entry.path, 0) + 1
+            self._index[key] = entry
+            self.used += entry.size
+        for sub in self.data.iterdir():
+            for path in sub.iterdir() if sub.is_dir() else ():
+                if path not in regions:
+                    path.unlink(missing_ok=True)  # no chunk of it was recorded
+                else:
+                    self._punch_unrecorded(path, regions[path])
         with self._lock:
             self._evict_locked(0)
         log.info("chunk cache %s: %d chunks, %d bytes (limit %d)", self.dir, len(self._index),
                  self.used, self.max_bytes)
 
+    def _punch_unrecorded(self, path: Path, recorded: list[tuple[int, int]]) -> None:
+        """Free the blocks of ``path`` that hold no recorded chunk (a write a crash cut off
+        before its marker): they would take disk space the index does not count."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            recorded.sort()
+            pos = 0
+            while True:
+                try:
+                    start = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError:  # ENXIO: no data past pos
+                    break
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+                at = start
+                for offset, size in recorded:
+                    if offset + size <= at or offset >= end:
+                        continue
+                    if offset > at:
+                        _punch_hole(fd, at, offset - at)
+                    at = max(at, offset + size)
+                if at < end:
+                    _punch_hole(fd, at, end - at)
+                pos = end
+        except OSError as exc:
+            log.info("chunk cache %s: cannot free unrecorded blocks of %s: %s", self.dir, path, exc)
+        finally:
+            os.close(fd)
+
+    def _data_file(self, object_id: str) -> Path:
+        return self.data / object_id[:2] / object_id
+
     # -- reads ---------------------------------------------------------------------------------
+    def _lookup_locked(self, key: ChunkKey) -> _Entry | None:
+        """The chunk's entry; None if there is none or it was cut with another chunk size (it
+        holds other bytes of the object: dropped)."""
+        ikey = (key.object_id, key.index)
+        entry = self._index.get(ikey)
+        if entry is not None and key.start >= 0 and entry.offset != key.start:
+            self._remove_locked(ikey, entry)
+            return None
+        return entry
+
     def read(self, key: ChunkKey, offset: int, size: int) -> bytes | None:
         """Bytes ``[offset, offset+size)`` of a cached chunk, or None on a miss (see read_into)."""
-        ikey = (key.object_id, key.index)
         with self._lock:
-            entry = self._index.get(ikey)
+            entry = self._lookup_locked(key)
         size = max(0, min(size, entry.size - offset)) if entry is not None else size
         buf = bytearray(size)
         if not self.read_into(key, memoryview(buf), offset):
@@ -200,135 +300,158 @@ class ChunkCache:
 
     def read_into(self, key: ChunkKey, dest: memoryview, offset: int) -> bool:
         """Fill ``dest`` (writable bytes) with the chunk's bytes from ``offset`` on, read from
-        disk straight into it; False on a miss (``dest`` may then hold anything). A chunk file
-        shorter than that is corrupt: discarded, a miss.
+        disk straight into it; False on a miss (``dest`` may then hold anything). A chunk whose
+        file holds less than that is corrupt: discarded, a miss.
 
         A chunk's checksum is verified the first time it is read after a (re)start (that read
         reads the whole chunk); a corrupt chunk is discarded (a miss), never served.
         """
         ikey = (key.object_id, key.index)
-        found = self._used_entry(ikey, take_fd=True)
+        found = self._used_entry(key, take_fd=True)
         if found is None:
             return False
         entry, verified, fd = found
         size = len(dest)
-        if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
-            if fd >= 0:
-                self._done(entry, fd)
-            self._discard(ikey, entry, corrupt=True)
-            return False
+        drop: str | None = "corrupt"  # unless the read below succeeds
         try:
+            if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
+                return False
             if not verified:
-                data = entry.path.read_bytes()
-                if len(data) != entry.size or _checksum(data, entry.c) != entry.crc:
-                    self._discard(ikey, entry, corrupt=True)
+                data = self._read_whole(entry)
+                if data is None:
                     return False
                 entry.verified = True
+                _touch(entry.marker)  # its place in the LRU order across restarts
                 dest[:] = memoryview(data)[offset:offset + size]
-                self._hit()
+                drop = None
                 return True
-            if fd < 0:
-                fd = self._keep_fd(ikey, entry)
-            n = -1
-            try:
-                n = os.preadv(fd, [dest], offset)
-            finally:
-                self._done(entry, fd, hit=n == size)
+            if fd is None:
+                fd = self._keep_fd(entry.path)
+            if os.preadv(fd.fd, [dest], entry.offset + offset) != size:
+                # Cut short since it was verified (not by us: chunks are written whole): a
+                # miss, never a short read handed to the kernel.
+                return False
+            drop = None
+            return True
         except FileNotFoundError:
-            self._discard(ikey, entry)
+            drop = "missing"
             return False
-        if n != size:
-            # Cut short since it was verified (not by us: chunks are written whole, then
-            # renamed): a miss, never a short read handed to the kernel.
-            self._discard(ikey, entry, corrupt=True)
-            return False
-        return True
+        finally:
+            self._done(ikey, entry, fd, hit=drop is None, drop=drop)
+
+    def _read_whole(self, entry: _Entry) -> bytes | None:
+        """A chunk's bytes if they are all there and match its checksum, else None."""
+        with open(entry.path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), entry.size, entry.offset)
+        if len(data) != entry.size or _checksum(data, entry.c) != entry.crc:
+            return None
+        return data
 
     def load_into(self, key: ChunkKey, dest: memoryview) -> int | None:
         """The whole chunk into ``dest`` (a pooled buffer: page-aligned, the chunk's size rounded
         up to 4 KiB at least) with O_DIRECT: the disk's DMA fills it, no page cache is filled
         and no copy made (a sequential reader's warm chunk is then served from memory, as a
-        fetched one). Answers the chunk's size; None on a miss, or a chunk file cut short or
+        fetched one). Answers the chunk's size; None on a miss, or a chunk cut short or
         failing its checksum (discarded, as ``read_into`` does). Buffered where the cache's
         filesystem has no O_DIRECT."""
         ikey = (key.object_id, key.index)
-        found = self._used_entry(ikey)
+        with self._lock:
+            entry = self._lookup_locked(key)
+        if entry is not None and (len(dest) < -(-entry.size // _ALIGN) * _ALIGN or _aligned_address(dest) is None):
+            raise ValueError("load_into needs a page-aligned buffer of the chunk's size rounded up to 4 KiB")
+        found = self._used_entry(key)
         if found is None:
             return None
         entry, verified, _ = found
         size = entry.size
         aligned = -(-size // _ALIGN) * _ALIGN
-        if len(dest) < aligned or _aligned_address(dest) is None:
-            raise ValueError("load_into needs a page-aligned buffer of the chunk's size rounded up to 4 KiB")
+        drop: str | None = "corrupt"
         try:
-            fd = self._open_direct(entry.path)
+            fd = self._open_direct(entry.path) if entry.offset % _ALIGN == 0 else os.open(entry.path, os.O_RDONLY)
             try:
-                n = os.preadv(fd, [dest[:aligned]], 0)
+                n = os.preadv(fd, [dest[:aligned]], entry.offset)
             finally:
                 os.close(fd)
-        except FileNotFoundError:
-            self._discard(ikey, entry)
-            return None
-        if n != size or (not verified and _checksum_at(dest, size, entry.c) != entry.crc):
-            self._discard(ikey, entry, corrupt=True)
-            return None
-        entry.verified = True
-        self._hit()
-        return size
-
-    def _used_entry(self, ikey: tuple[str, int], take_fd: bool = False) -> tuple[_Entry, bool, int] | None:
-        """The entry about to be read, made most recently used, whether it was verified when
-        looked up, and (``take_fd``, verified) its kept descriptor, taken for one read (hand it
-        back with _done; -1: none kept, _keep_fd opens one); None (a miss, counted) if the cache
-        has no such chunk."""
-        with self._lock:
-            entry = self._index.get(ikey)
-            if entry is None:
-                self.stats.misses += 1
+            # A data file's next chunk may follow the chunk: only its own bytes count.
+            if min(n, size) != size or not (verified or _checksum_at(dest, size, entry.c) == entry.crc):
                 return None
-            self._index.move_to_end(ikey)
-            fd = -1
-            if take_fd and entry.verified and entry.fd >= 0 and not entry.shut:
-                entry.users += 1
-                self._open.move_to_end(ikey)
-                fd = entry.fd
-            return entry, entry.verified, fd
+            entry.verified = True
+            drop = None
+            return size
+        except FileNotFoundError:
+            drop = "missing"
+            return None
+        finally:
+            self._done(ikey, entry, None, hit=drop is None, drop=drop)
 
-    def _keep_fd(self, ikey: tuple[str, int], entry: _Entry) -> int:
-        """Open a verified entry's file for one read, kept open for later ones (OPEN_FILES of
-        them, least recently read closed first); hand it back with _done."""
-        fd = os.open(entry.path, os.O_RDONLY)
+    def _used_entry(self, key: ChunkKey, take_fd: bool = False,
+                    read: bool = True) -> tuple[_Entry, bool, _Fd | None] | None:
+        """The entry about to be read, made most recently used and counted as read (hand it
+        back with _done), whether it was verified when looked up, and (``take_fd``, verified)
+        its file's kept descriptor, taken for one read (None: none kept, _keep_fd opens one);
+        None (a miss, counted if ``read``) if the cache has no such chunk."""
         with self._lock:
-            if entry.fd >= 0 or self._index.get(ikey) is not entry:
-                return fd  # another read kept one meanwhile, or the chunk left: this read's own
-            entry.fd, entry.users, entry.shut = fd, 1, False
-            self._open[ikey] = entry
-            while len(self._open) > self.OPEN_FILES:
-                self._shut_locked(*next(iter(self._open.items())))
+            entry = self._lookup_locked(key)
+            if entry is None:
+                self.stats.misses += read
+                return None
+            self._index.move_to_end((key.object_id, key.index))
+            entry.users += 1
+            kept = None
+            if take_fd and entry.verified:
+                kept = self._fds.get(entry.path)
+                if kept is not None and not kept.shut:
+                    kept.users += 1
+                    self._fds.move_to_end(entry.path)
+                else:
+                    kept = None
+            return entry, entry.verified, kept
+
+    def _keep_fd(self, path: Path) -> _Fd:
+        """Open ``path`` for one read, kept open for later ones (OPEN_FILES of them, least
+        recently read closed first); hand it back with _done."""
+        fd = _Fd(os.open(path, os.O_RDONLY), users=1)
+        with self._lock:
+            if path in self._fds:
+                return fd  # another read kept one meanwhile: this read's own (closed by _done)
+            self._fds[path] = fd
+            while len(self._fds) > self.OPEN_FILES:
+                self._shut_locked(next(iter(self._fds)))
         return fd
 
-    def _done(self, entry: _Entry, fd: int, hit: bool = False) -> None:
+    def _done(self, ikey: tuple[str, int], entry: _Entry, fd: _Fd | None, hit: bool = False,
+              drop: str | None = None) -> None:
+        """A read of ``entry`` is over: hand back its descriptor, count it, and discard the
+        chunk if the read found it damaged (``drop`` "corrupt") or its file gone ("missing"),
+        or remove it from disk if it left the index meanwhile and this was its last read."""
         with self._lock:
             if hit:
                 self.stats.hits += 1
-            if fd != entry.fd:
-                os.close(fd)
-                return
+            if fd is not None:
+                fd.users -= 1
+                if self._fds.get(entry.path) is not fd:
+                    fd.shut = True
+                if fd.shut and not fd.users:
+                    os.close(fd.fd)
             entry.users -= 1
-            if entry.shut and not entry.users:
-                os.close(fd)
-                entry.fd = -1
+            if drop and self._index.get(ikey) is entry:
+                self._remove_locked(ikey, entry)
+                self.stats.misses += 1
+                self.stats.corrupt += drop == "corrupt"
+            elif entry.gone and not entry.users:
+                self._erase_locked(ikey, entry)
+        if drop == "corrupt":
+            log.warning("cached chunk %s of %s failed its checksum or is cut short; refetching",
+                        ikey[1], entry.path)
 
-    def _shut_locked(self, ikey: tuple[str, int], entry: _Entry) -> None:
-        """``entry`` keeps no descriptor from now on: closed now, or by its last read's _done."""
-        if self._open.get(ikey) is entry:
-            del self._open[ikey]
-        if entry.fd < 0:
+    def _shut_locked(self, path: Path) -> None:
+        """``path`` keeps no descriptor from now on: closed now, or by its last read's _done."""
+        fd = self._fds.pop(path, None)
+        if fd is None:
             return
-        entry.shut = True
-        if not entry.users:
-            os.close(entry.fd)
-            entry.fd = -1
+        fd.shut = True
+        if not fd.users:
+            os.close(fd.fd)
 
     def _open_direct(self, path: Path) -> int:
         if self._direct_read:
@@ -349,50 +472,75 @@ class ChunkCache:
         on this project's test machines: half a chunk), so the chunk is advised in pieces of
         that much (_readahead_limit): in smaller ones, each its own disk request, the page cache
         costs more CPU to fill (128 KiB pieces: a warm torch load's daemon +0.2 CPU-s/GiB)."""
-        with self._lock:
-            entry = self._index.get((key.object_id, key.index))
-        if entry is None:
+        ikey = (key.object_id, key.index)
+        found = self._used_entry(key, read=False)
+        if found is None:
             return
+        entry = found[0]
         try:
             fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                step = self._advise_step
+                for offset in range(0, entry.size, step):
+                    os.posix_fadvise(fd, entry.offset + offset, min(step, entry.size - offset), os.POSIX_FADV_WILLNEED)
+                if wait and entry.size:
+                    os.pread(fd, 1, entry.offset + entry.size - 1)  # the last piece asked for: read when it is
+            finally:
+                os.close(fd)
         except OSError:
-            return
-        try:
-            step = self._advise_step
-            for offset in range(0, entry.size, step):
-                os.posix_fadvise(fd, offset, step, os.POSIX_FADV_WILLNEED)
-            if wait and entry.size:
-                os.pread(fd, 1, entry.size - 1)  # the last piece asked for: read when it is
-        except OSError:
-            pass  # advice only: a chunk evicted or damaged meanwhile is the reader's to find
+            pass  # advice only: a chunk damaged meanwhile is the reader's to find
         finally:
-            os.close(fd)
+            self._done(ikey, entry, None)
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
-            return (key.object_id, key.index) in self._index
+            return self._lookup_locked(key) is not None
 
-    def _hit(self) -> None:
+    # -- whole versions ------------------------------------------------------------------------
+    def pin(self, object_id: str, chunks: int, size: int) -> int | None:
+        """A read-only descriptor of the data file of a version whose every chunk (``chunks``
+        of them, ``size`` bytes in all) is cached and verified since this daemon started: the
+        whole object, as a file. Its chunks are then not evicted until ``unpin``. None when a
+        chunk is missing, unverified or in a file of its own."""
+        if chunks <= 0:
+            return None
         with self._lock:
-            self.stats.hits += 1
+            path = self._data_file(object_id)
+            total = 0
+            for index in range(chunks):
+                entry = self._index.get((object_id, index))
+                if entry is None or entry.path != path or not entry.verified or entry.offset != total:
+                    return None
+                total += entry.size
+            if total != size:
+                return None
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                return None
+            if os.fstat(fd).st_size != size:
+                os.close(fd)
+                return None
+            self._pins[object_id] = self._pins.get(object_id, 0) + 1
+            return fd
 
-    def _discard(self, ikey: tuple[str, int], entry: _Entry, corrupt: bool = False) -> None:
+    def unpin(self, object_id: str) -> None:
         with self._lock:
-            if self._index.get(ikey) is entry:
-                del self._index[ikey]
-                self.used -= entry.size
-            self._shut_locked(ikey, entry)
-            self.stats.misses += 1
-            if corrupt:
-                self.stats.corrupt += 1
-        if corrupt:
-            log.warning("cached chunk %s failed its checksum; refetching", entry.path)
-        entry.path.unlink(missing_ok=True)
+            left = self._pins.get(object_id, 0) - 1
+            if left > 0:
+                self._pins[object_id] = left
+            else:
+                self._pins.pop(object_id, None)
+
+    def pinned(self) -> int:
+        with self._lock:
+            return sum(self._pins.values())
 
     # -- writes --------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: Buffer, keep: bool = False) -> bool:
-        """Store a chunk (any buffer: ``bytes``, obstore's ``Bytes``). False (and nothing stored)
-        when it cannot fit or the disk says no.
+        """Store a chunk (any buffer: ``bytes``, obstore's ``Bytes``), at ``key.start`` in its
+        version's data file (where it starts in the object). False (and nothing stored) when it
+        cannot fit or the disk says no.
 
         ``keep``: the chunk will likely be read again in pieces (random reads, a mapped file's
         faults), so it is written through the page cache, which then serves those reads from
@@ -400,51 +548,69 @@ class ChunkCache:
         the FUSE file's own page cache holds what it read)."""
         size = len(data)
         ikey = (key.object_id, key.index)
+        offset = key.index * self.chunk_size if key.start < 0 else key.start
+        path = self._data_file(key.object_id)
         with self._lock:
             self.stats.bytes_fetched += size
-            if ikey in self._index:
+            if self._lookup_locked(key) is not None:
                 return True
-            if size > self.max_bytes or not self._evict_locked(size):
+            if (ikey in self._punching or ikey in self._writing or size > self.max_bytes
+                    or not self._evict_locked(size)):
                 return False
+            self._writing.add(ikey)  # (the fetcher writes a chunk once; if not, the first one wins)
             self._reserved += size  # counted in `used` from now on, so the limit holds
             self.used += size
+            self._files[path] = self._files.get(path, 0) + 1
         c = _crc32c is not None
-        sub = self.dir / key.object_id[:2]
-        path = sub / f"{key.object_id}-{key.index}"
-        tmp = None
+        stored = False
         try:
-            sub.mkdir(exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(prefix="tmp", dir=sub)  # 0600
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                crc = self._write(fd, data, c, direct=self._direct_io and not keep)
+                crc = self._write(fd, data, c, direct=self._direct_io and not keep, offset=offset)
             finally:
                 os.close(fd)
-            path = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}"
-            os.replace(tmp, path)
+            sub = self.dir / key.object_id[:2]
+            sub.mkdir(exist_ok=True, mode=0o700)
+            marker = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}+{offset}+{size}"
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o600))
+            stored = True
         except OSError as exc:
-            if tmp:
-                Path(tmp).unlink(missing_ok=True)
-            with self._lock:
-                self._reserved -= size
-                self.used -= size
-                self.stats.write_failures += 1
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("cannot cache chunk %s: %s", path, exc)
-            return False
+                log.warning("cannot cache chunk %s of %s: %s", key.index, path, exc)
+            self._free_region(path, offset, size)  # it may hold part of the chunk, which nothing records
         with self._lock:
+            self._writing.discard(ikey)
             self._reserved -= size
-            self._index[ikey] = _Entry(path, size, crc, verified=True, c=c)
-        return True
+            if stored:
+                self._index[ikey] = _Entry(path, offset, size, crc, marker, verified=True, c=c)
+                return True
+            self.stats.write_failures += 1
+            self.used -= size
+            self._release_file_locked(path)
+        return False
 
-    def _write(self, fd: int, data: Buffer, c: bool, direct: bool) -> int:
-        """All of ``data`` to ``fd``: the block-aligned bulk with O_DIRECT (from an aligned
-        buffer, as it requires: ``data`` itself when it is a writable page-aligned buffer, such
-        as the pooled buffer a chunk was fetched into, else a copy in this thread's aligned
-        buffer), the tail and any filesystem without O_DIRECT buffered. Answers the checksum of
-        what was written (CRC-32C if ``c``), taken at the aligned buffer's address where it
-        can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
+    def _free_region(self, path: Path, offset: int, size: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            _punch_hole(fd, offset, size)
+        except OSError:
+            pass  # the next start frees what no marker records
+        finally:
+            os.close(fd)
+
+    def _write(self, fd: int, data: Buffer, c: bool, direct: bool, offset: int = 0) -> int:
+        """All of ``data`` to ``fd`` at ``offset``: the block-aligned bulk with O_DIRECT (from an
+        aligned buffer, as it requires: ``data`` itself when it is a writable page-aligned
+        buffer, such as the pooled buffer a chunk was fetched into, else a copy in this thread's
+        aligned buffer), the tail and any filesystem without O_DIRECT buffered. Answers the
+        checksum of what was written (CRC-32C if ``c``), taken at the aligned buffer's address
+        where it can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
         view = memoryview(data)
-        bulk = len(view) - len(view) % _ALIGN if direct else 0
+        bulk = len(view) - len(view) % _ALIGN if direct and offset % _ALIGN == 0 else 0
         crc = None
         if bulk:
             addr = _aligned_address(view)
@@ -460,13 +626,12 @@ class ChunkCache:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             try:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-                _write_all(fd, src[:bulk])
+                _write_all(fd, src[:bulk], offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._direct_io = False  # this filesystem does not do O_DIRECT: buffered from now on
                 log.info("chunk cache %s: no O_DIRECT (%s); buffered writes", self.dir, exc)
-                os.ftruncate(fd, 0)
                 bulk = 0
             finally:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags)
@@ -474,22 +639,91 @@ class ChunkCache:
                 crc = _crc32c_extend(0, addr, bulk)
                 tail = view[bulk:].tobytes()
                 crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
-        _write_all(fd, view[bulk:], offset=bulk)
+        _write_all(fd, view[bulk:], offset + bulk)
         if crc is None and c and not bulk and view.nbytes and not view.readonly and view.c_contiguous:
             crc = _checksum_at(view, view.nbytes, c)  # written buffered (a random read's): no copy either
         return crc if crc is not None else _checksum(data, c)
 
+    # -- removal -------------------------------------------------------------------------------
     def _evict_locked(self, incoming: int) -> bool:
-        """Make room for ``incoming`` bytes under the size limit and the free-space floor."""
+        """Make room for ``incoming`` bytes under the size limit and the free-space floor,
+        least recently used chunks first; never a chunk of a pinned version."""
+        skipped = 0
         while self.used + incoming > self.max_bytes or (incoming and self._low_on_disk(incoming)):
-            if not self._index:
+            if len(self._index) <= skipped:  # nothing left that may go
                 return self.used + incoming <= self.max_bytes and not (incoming and self._low_on_disk(incoming))
-            ikey, entry = self._index.popitem(last=False)
-            self._shut_locked(ikey, entry)
+            ikey, entry = next(iter(self._index.items()))
+            if ikey[0] in self._pins:
+                self._index.move_to_end(ikey)  # read whole by the kernel: recently used anyway
+                skipped += 1
+                continue
+            self._remove_locked(ikey, entry)
+            self.stats.evictions += 1
+        return True
+
+    def _remove_locked(self, ikey: tuple[str, int], entry: _Entry) -> None:
+        """Take a chunk out of the index; its bytes go now, or after the reads using them."""
+        del self._index[ikey]
+        self.used -= entry.size
+        if entry.users:
+            entry.gone = True
+            entry.marker.unlink(missing_ok=True)  # unrecorded now; a crash before its bytes go: the next start frees them
+            self._punching.add(ikey)
+        else:
+            self._erase_locked(ikey, entry)
+
+    def _erase_locked(self, ikey: tuple[str, int], entry: _Entry) -> None:
+        """A chunk no read uses any more, out of the index: off the disk."""
+        entry.gone = False
+        self._punching.discard(ikey)
+        entry.marker.unlink(missing_ok=True)
+        if self._files.get(entry.path, 0) > 1 and ikey[0] not in self._pins:  # (else the file goes whole)
+            if self._punch:
+                try:
+                    self._punch_region(entry.path, entry.offset, entry.size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        log.warning("chunk cache: cannot free chunk %s of %s: %s", ikey[1], entry.path, exc)
+                    else:
+                        self._punch = False
+                        log.info("chunk cache %s: no hole punching (%s); a version's chunks leave together",
+                                 self.dir, exc)
+            if not self._punch:
+                self._evict_file_locked(entry.path)
+        self._release_file_locked(entry.path)
+
+    @staticmethod
+    def _punch_region(path: Path, offset: int, size: int) -> None:
+        wfd = os.open(path, os.O_RDWR)
+        try:
+            _punch_hole(wfd, offset, size)
+        finally:
+            os.close(wfd)
+
+    def _evict_file_locked(self, path: Path) -> None:
+        """Every chunk of data file ``path`` out of the index (where holes cannot be punched,
+        the space of one chunk is only freed with its whole file)."""
+        for ikey, entry in [(k, e) for k, e in self._index.items() if e.path == path]:
+            if ikey[0] in self._pins:
+                continue
+            del self._index[ikey]
             self.used -= entry.size
             self.stats.evictions += 1
-            entry.path.unlink(missing_ok=True)
-        return True
+            entry.marker.unlink(missing_ok=True)
+            if entry.users:  # its share of the file is let go at its last read (_done)
+                entry.gone = True
+                self._punching.add(ikey)
+            else:
+                self._files[path] -= 1
+
+    def _release_file_locked(self, path: Path) -> None:
+        left = self._files.get(path, 0) - 1
+        if left > 0:
+            self._files[path] = left
+            return
+        self._files.pop(path, None)
+        self._shut_locked(path)
+        path.unlink(missing_ok=True)
 
     def _low_on_disk(self, incoming: int) -> bool:
         if not self.min_free_bytes:
@@ -511,14 +745,16 @@ class ChunkCache:
         with self._lock:
             assert self.used <= self.max_bytes, (self.used, self.max_bytes)
             assert self.used == sum(e.size for e in self._index.values()) + self._reserved
-            assert len(self._open) <= self.OPEN_FILES, (len(self._open), self.OPEN_FILES)
-            for ikey, entry in self._open.items():  # kept descriptors belong to indexed chunks
-                assert self._index.get(ikey) is entry and entry.fd >= 0 and not entry.shut
+            assert len(self._fds) <= self.OPEN_FILES, (len(self._fds), self.OPEN_FILES)
+            for path, fd in self._fds.items():  # kept descriptors are of files still in use
+                assert not fd.shut and path in self._files, path
+            for entry in self._index.values():
+                assert not entry.gone and self._files.get(entry.path, 0) >= 1, entry.path
 
     def close(self) -> None:
         with self._lock:
-            while self._open:
-                self._shut_locked(*next(iter(self._open.items())))
+            while self._fds:
+                self._shut_locked(next(iter(self._fds)))
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -567,10 +803,16 @@ def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
 
 
 # The cache directory's layout, in one place (the daemon, `marinfs cache` and `status` use it):
-# chunks/<2 hex>/<object id>-<index>-<crc>, staging/ (staged writes and journals, never a
+# data/<2 hex>/<object id> (a version's chunks at their offsets, sparse), chunks/<2 hex>/<object
+# id>-<index>-<crc>+<offset>+<size> (empty: the record that a chunk is there; older daemons'
+# chunk files have no "+" and hold the chunk), staging/ (staged writes and journals, never a
 # cache: unsaved data), lock (the daemon's PID, flocked), stats.json (the daemon's counters).
 def chunks_dir(cache_dir: Path) -> Path:
     return cache_dir / "chunks"
+
+
+def data_dir(cache_dir: Path) -> Path:
+    return cache_dir / "data"
 
 
 def staging_dir(cache_dir: Path) -> Path:
@@ -585,16 +827,25 @@ def _unfinished(name: str) -> bool:
     return name.startswith("tmp")  # a chunk write that never finished (tempfile prefix)
 
 
+def chunk_size_of(name: str, path: Path) -> int:
+    """How many bytes of chunk the record ``name`` (at ``path``) stands for."""
+    _, _, place = name.rpartition("-")[2].partition("+")
+    return int(place.split("+")[1]) if place else path.stat().st_size
+
+
 def disk_usage(cache_dir: Path) -> tuple[int, int]:
-    """(chunks, bytes) of the finished chunk files under ``cache_dir``, daemon or not."""
+    """(chunks, bytes) of the chunks recorded under ``cache_dir``, daemon or not."""
     chunks = total = 0
     root = chunks_dir(cache_dir)
     if root.is_dir():
         for sub in root.iterdir():
             for path in sub.iterdir() if sub.is_dir() else ():
                 if not _unfinished(path.name):
+                    try:
+                        total += chunk_size_of(path.name, path)
+                    except (ValueError, IndexError, OSError):
+                        continue
                     chunks += 1
-                    total += path.stat().st_size
     return chunks, total
 
 
@@ -603,8 +854,28 @@ def wipe(cache_dir: Path) -> int:
     how many chunks there were. The caller makes sure no daemon uses the directory."""
     chunks, _ = disk_usage(cache_dir)
     shutil.rmtree(chunks_dir(cache_dir), ignore_errors=True)
+    shutil.rmtree(data_dir(cache_dir), ignore_errors=True)
     stats_file(cache_dir).unlink(missing_ok=True)
     return chunks
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_FALLOC_FL_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # linux/falloc.h: punching needs KEEP_SIZE
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free ``fd``'s blocks in ``[offset, offset+length)`` (they read as zeros), size kept."""
+    if length > 0 and _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def acquire_lock(cache_dir: Path) -> int:

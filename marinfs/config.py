@@ -117,6 +117,13 @@ class MountConfig:
     # Kernel readahead of the mount (KiB): 1024 makes the kernel send 1 MiB reads. Root only.
     read_ahead_kb: int = setting(1024, kind=INT, low=0,
                                  help="kernel readahead of the mount in KiB (root only; 0 leaves it)")
+    # FUSE passthrough: the kernel reads a file the chunk cache holds whole from its data file.
+    passthrough: bool = setting(
+        True, kind=BOOL, doc_default="on (where libfuse and the kernel have it)",
+        help="let the kernel read files the chunk cache holds whole by itself (libfuse >= 3.17, Linux >= 6.9, root)",
+        doc="let the kernel read a file the chunk cache holds whole straight from the cache, without the "
+            "daemon (FUSE passthrough: libfuse ≥ 3.17, Linux ≥ 6.9, as root; see "
+            "[caching.md](caching.md#passthrough-files-cached-whole-are-read-by-the-kernel))")
     # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
     metrics_port: int = setting(0, kind=INT, low=0, high=65535, doc_default="0 (off)",
                                 help="serve Prometheus metrics on ADDR:PORT/metrics (0: off)")

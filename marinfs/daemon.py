@@ -83,7 +83,8 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     remote.check()
     cfg.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(cfg.cache_dir, 0o700)
-    cache = ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free) if cfg.cache_size else None
+    cache = (ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free, chunk_size=cfg.chunk_size)
+             if cfg.cache_size else None)
     # One memory budget for the whole mount, whatever the number of readers: chunks fetched
     # ahead wait in it until read. The fetches in flight and half as many again keep the
     # workers busy for one reader (96 MiB by default); more readers share it (their windows
@@ -175,7 +176,7 @@ def run_foreground(cfg: MountConfig) -> None:
     fs = build_filesystem(cfg)
     from marinfs.fuse_ops import FuseAdapter, serve
 
-    adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode)
+    adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode, passthrough=cfg.passthrough)
     state = state_file(cfg.mountpoint)
     state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
                                  "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),

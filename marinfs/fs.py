@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cachetools import LRUCache
 
@@ -33,7 +33,7 @@ from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
-from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs, cache_id
 from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
@@ -91,6 +91,10 @@ class Handle:
     # (FOPEN_DIRECT_IO) while handles of another version are open there.
     page_users: PageUsers | None = None
     direct: bool = False
+    # > 0: the backing file the kernel has for this inode (passthrough). A member of page_users
+    # reads it; a handle that only carries it (another version, a writer) reads through the daemon.
+    backing_id: int = 0
+    carries: PageUsers | None = None
     orphan: bool = False  # its name was unlinked or renamed here: it never moves to the name's new object
     served: bool = False  # bytes of info's version were returned: it may not change any more
 
@@ -109,6 +113,29 @@ class PageUsers:
     version: ObjectVersion
     count: int = 0
     filled: bool = False  # one of them served bytes: the page cache may hold this version's
+    # The version's data file in the chunk cache, registered with the kernel: every handle of
+    # these reads it by itself (FUSE passthrough), none through the daemon or the page cache.
+    backing: Backing | None = None
+
+
+@dataclass(eq=False)
+class Backing:
+    """A version cached whole, registered with the kernel for passthrough (``Backings``)."""
+
+    id: int
+    fd: int
+    object_id: str
+
+
+class Backings(Protocol):
+    """What the FUSE layer gives for passthrough: registers a local file with the kernel, so
+    the reads and maps of a file opened with its id go to that file without the daemon."""
+
+    def register(self, fd: int) -> int:
+        """The backing id of ``fd`` (> 0); raises OSError if the kernel refuses."""
+
+    def unregister(self, backing_id: int) -> None:
+        """Drop an id (files opened with it keep their own reference)."""
 
 
 def _under(key: str, tree: str) -> bool:
@@ -161,6 +188,10 @@ class Filesystem:
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
         self.max_readahead_chunks = max_readahead_chunks
+        # FUSE passthrough (set by the FUSE layer once the kernel and libfuse agreed to it): a
+        # version the chunk cache holds whole is read by the kernel from its data file.
+        self.backings: Backings | None = None
+        self.passthrough_opens = 0
         self.drain_timeout = drain_timeout
         self.drained = True  # False once an unmount gave up waiting for pending commits
         # The version each key had when last opened: the kernel may keep its page cache for a
@@ -185,10 +216,12 @@ class Filesystem:
     # -- the daemon's view ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """What the daemon publishes (status file, metrics): chunk cache counters, remote
-        requests, pending and failed uploads."""
+        requests, pending and failed uploads, passthrough opens and the versions open so now."""
         cache = self.fetcher.cache
         return {"cache": cache.snapshot() if cache else None, "remote_requests": self.remote.stats.snapshot(),
-                "uploads": self.upload_status()}
+                "uploads": self.upload_status(),
+                "passthrough": {"on": self.backings is not None, "opens": self.passthrough_opens,
+                                "files": cache.pinned() if cache else 0}}
 
     def close(self) -> None:
         """Once unmounted: stop the fetch workers (every fetched chunk reaches the disk first),
@@ -722,7 +755,14 @@ class Filesystem:
                         break
                     self._released.wait(left)
                     users = self._page_users.get(key)
-            if tracked and users is not None and users.version != info.version:
+            if tracked and users is None and key not in self._staged:
+                backing = self._whole_version_locked(key, info)
+                if backing is not None:  # (a version cached whole: see below)
+                    users = self._page_users[key] = PageUsers(key, info.version, backing=backing)
+            if users is not None and users.backing is not None:
+                self._carry_locked(handle, users, member=tracked and users.version == info.version
+                                   and key not in self._staged)
+            elif tracked and users is not None and users.version != info.version:
                 # The kernel keeps one page cache per file, shared by every handle: readers of
                 # another version are filling it. This one reads around it, so neither side
                 # reads the other's bytes; the page cache and its pages stay theirs (kept:
@@ -739,6 +779,65 @@ class Filesystem:
                     users.count += 1
                     handle.page_users = users
         return self._new_handle(handle)
+
+    def _carry_locked(self, handle: Handle, users: PageUsers, member: bool) -> None:
+        """``handle`` opens an inode the kernel reads from a backing file (passthrough): while any
+        handle carrying it is open, every open of that inode must carry it too (the kernel
+        refuses any other, EIO). A member (``users``' version, read only) is read by the kernel
+        from it; any other handle (a writer, another version) reads and writes through the
+        daemon (direct I/O: the kernel then sends its reads here), but a map of it would show
+        the backing file's pages."""
+        assert users.backing is not None
+        users.count += 1
+        handle.backing_id = users.backing.id
+        if member:
+            handle.page_users = users
+            self.passthrough_opens += 1
+            return
+        handle.carries, handle.direct = users, True
+        self._kernel_versions[users.key] = None
+        if handle.staged is None:
+            log.info("%s: another version is open here through passthrough; this open reads the new "
+                     "version, but a map of it shows the older one until those handles close", users.key)
+
+    def _whole_version_locked(self, key: str, info: ObjectInfo) -> Backing | None:
+        """``info``'s version, registered with the kernel for passthrough, if the chunk cache
+        holds all of it (pinned there until the backing is dropped); else None."""
+        cache = self.fetcher.cache
+        if self.backings is None or cache is None or info.version is None or info.size <= 0:
+            return None
+        chunk = self.fetcher.chunk_size
+        object_id = cache_id(f"{self.remote.url}/{key}", str(info.version))
+        fd = cache.pin(object_id, -(-info.size // chunk), info.size)
+        if fd is None:
+            return None
+        try:
+            backing_id = self.backings.register(fd)
+        except OSError as exc:
+            os.close(fd)
+            cache.unpin(object_id)
+            log.warning("passthrough refused for %s (%s): files are read through the daemon from now on", key, exc)
+            self.backings = None  # the kernel refuses this mount's backing files: stop asking
+            return None
+        return Backing(backing_id, fd, object_id)
+
+    def _drop_backing(self, backing: Backing) -> None:
+        """The last handle of a passthrough version is gone: unregister and unpin it."""
+        backings = self.backings
+        try:
+            if backings is not None:
+                backings.unregister(backing.id)
+        except OSError as exc:
+            log.warning("passthrough: cannot drop backing %d: %s", backing.id, exc)
+        finally:
+            os.close(backing.fd)
+            if self.fetcher.cache is not None:
+                self.fetcher.cache.unpin(backing.object_id)
+
+    def passes_through(self, fh: int) -> int:
+        """The backing id this handle is opened with (passthrough), or 0: the kernel reads its
+        bytes from that file, unless it bypasses the kernel's caches (then through the daemon)."""
+        return self._handle(fh).backing_id
 
     def handle_info(self, fh: int) -> ObjectInfo:
         """An open file's attributes by its handle: it may have no name any more (unlinked)."""
@@ -775,7 +874,12 @@ class Filesystem:
         keep = mode is not None and self.remote.stores_posix
         attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
         staged = self._acquire_staged(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
-        return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
+        handle = Handle(key=key, flags=flags, info=None, staged=staged)
+        with self._lock:  # made again under the name of a file read through passthrough here
+            users = self._page_users.get(key)
+            if users is not None and users.backing is not None:
+                self._carry_locked(handle, users, member=False)
+        return self._new_handle(handle)
 
     def _file_name_allowed(self, key: str) -> None:
         """Where links are ``NAME.rclonelink`` objects, a file of such a name would read back as
@@ -979,14 +1083,19 @@ class Filesystem:
         return replace(posix, **changes) if changes else posix
 
     def release(self, fh: int) -> None:
+        backing = None
         with self._lock:
             handle = self._handles.pop(fh, None)
-            users = handle.page_users if handle is not None else None
+            users = (handle.page_users or handle.carries) if handle is not None else None
             if users is not None:
                 users.count -= 1
-                if not users.count and self._page_users.get(users.key) is users:
-                    del self._page_users[users.key]
-                    self._released.notify_all()
+                if not users.count:
+                    backing, users.backing = users.backing, None
+                    if self._page_users.get(users.key) is users:
+                        del self._page_users[users.key]
+                        self._released.notify_all()
+        if backing is not None:
+            self._drop_backing(backing)
         if handle is not None and handle.reader is not None:
             handle.reader.close()
         if handle is not None and handle.staged is not None:

@@ -12,18 +12,24 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-# mfusepy picks libfuse2 when libfuse.so.2 exists; we need libfuse3 (1 MiB requests).
+# mfusepy picks libfuse2 when libfuse.so.2 exists; we need libfuse3 (1 MiB requests), the newest
+# one installed (3.17 and later can pass files through to the kernel).
 os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+from marinfs.libfuse import pick_libfuse  # noqa: E402
+
+pick_libfuse()
 import mfusepy as fuse  # noqa: E402
 
 from marinfs.errors import RemoteError, errno_for  # noqa: E402
@@ -38,6 +44,39 @@ FUSE_READDIR_PLUS = 1  # libfuse3 enum fuse_readdir_flags: the kernel asks for a
 FUSE_FILL_DIR_PLUS = 2  # libfuse3 enum fuse_fill_dir_flags: this entry's struct stat is complete
 KERNEL_XATTR_PREFIXES = (b"security.", b"system.", b"trusted.")  # see _Fuse.getxattr
 UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # a timespec's tv_nsec in utimensat(2)
+# FUSE passthrough (libfuse >= 3.17, Linux >= 6.9): a file opened with a backing id is read (and
+# mapped) by the kernel from the local file registered under that id, without the daemon.
+LIBFUSE_PASSTHROUGH = (fuse.fuse_version_major, fuse.fuse_version_minor) >= (3, 17)
+FUSE_CAP_PASSTHROUGH = 1 << 29  # fuse_common.h
+FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map {int32 fd; uint32 flags; uint64 padding})
+FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
+# struct fuse_file_info (3.17): flags, the bit fields, two paddings, fh, lock_owner, poll_events
+# (uint32), then int32 backing_id. mfusepy declares poll_events as 64 bits, so no field of its
+# struct names it: it is written at its offset.
+FI_BACKING_ID_OFFSET = 36
+
+
+class KernelBackings:
+    """fs.Backings through /dev/fuse: the session's descriptor and its backing ioctls."""
+
+    def __init__(self, session_fd: int) -> None:
+        self.session_fd = session_fd
+
+    def register(self, fd: int) -> int:
+        return fcntl.ioctl(self.session_fd, FUSE_DEV_IOC_BACKING_OPEN, bytearray(struct.pack("=iIQ", fd, 0, 0)))
+
+    def unregister(self, backing_id: int) -> None:
+        fcntl.ioctl(self.session_fd, FUSE_DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("=I", backing_id)))
+
+
+def _session_fd() -> int:
+    """The /dev/fuse descriptor of the session serving this callback."""
+    lib = fuse._libfuse
+    lib.fuse_get_session.restype = ctypes.c_void_p
+    lib.fuse_get_session.argtypes = [ctypes.c_void_p]
+    lib.fuse_session_fd.restype = ctypes.c_int
+    lib.fuse_session_fd.argtypes = [ctypes.c_void_p]
+    return lib.fuse_session_fd(lib.fuse_get_session(lib.fuse_get_context().contents.fuse))
 
 
 def _errors(method: F, op: str | None = None) -> F:
@@ -79,8 +118,10 @@ class FuseAdapter(fuse.Operations):
     metrics: Any = None  # a marinfs.metrics.Metrics when --metrics-port is set
     on_destroy: Any = None  # called when the session ends, before open files are committed
 
-    def __init__(self, fs: Filesystem, uid: int, gid: int, file_mode: int, dir_mode: int) -> None:
+    def __init__(self, fs: Filesystem, uid: int, gid: int, file_mode: int, dir_mode: int,
+                 passthrough: bool = True) -> None:
         self.fs = fs
+        self.passthrough = passthrough
         self.uid, self.gid = uid, gid
         self.file_mode, self.dir_mode = file_mode, dir_mode
         # Object stores have no directory times; one stable time for every directory keeps
@@ -177,18 +218,42 @@ class FuseAdapter(fuse.Operations):
             self.fs.set_attributes(path, mtime_ns=mtime, fh=self._fh(path, fi))
         return 0
 
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        """Ask for passthrough where libfuse and the kernel have it (conn: fuse_conn_info)."""
+        if not (self.passthrough and LIBFUSE_PASSTHROUGH and conn is not None):
+            log.info("passthrough: %s", "off" if not self.passthrough else
+                     f"libfuse {fuse.fuse_version_major}.{fuse.fuse_version_minor} has none (3.17 has)")
+            return
+        if not conn.capable & FUSE_CAP_PASSTHROUGH:
+            log.info("passthrough: the kernel offers none (Linux 6.9 has it)")
+            return
+        conn.want |= FUSE_CAP_PASSTHROUGH
+        # The cache's filesystem may itself be stacked once (overlayfs: a container's disk).
+        conn.max_backing_stack_depth = 1
+        self.fs.backings = KernelBackings(_session_fd())
+        log.info("passthrough: on; files the chunk cache holds whole are read by the kernel")
+
     # -- files ---------------------------------------------------------------------------------
     @_errors
     def open(self, path: str, fi: Any) -> int:
         fi.fh = self.fs.open(path, fi.flags)
         fi.keep_cache = self.fs.keeps_kernel_cache(fi.fh)
-        fi.direct_io = self.fs.bypasses_kernel_cache(fi.fh)
+        self._how(fi)
         return 0
 
     @_errors
     def create(self, path: str, mode: int, fi: Any) -> int:
         fi.fh = self.fs.create(path, fi.flags, mode)
+        self._how(fi)
         return 0
+
+    def _how(self, fi: Any) -> None:
+        """How the kernel is to read the file just opened: around its page cache, and from which
+        backing file (passthrough)."""
+        fi.direct_io = self.fs.bypasses_kernel_cache(fi.fh)
+        backing_id = self.fs.passes_through(fi.fh)
+        if backing_id:
+            ctypes.c_int32.from_address(ctypes.addressof(fi) + FI_BACKING_ID_OFFSET).value = backing_id
 
     @_errors
     def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:

@@ -69,6 +69,11 @@ class _LayerCollector(Collector):
                                       value=snap["bytes_fetched"])
             yield GaugeMetricFamily("marinfs_cache_used_bytes", "Chunk cache size", value=snap["bytes_used"])
             yield GaugeMetricFamily("marinfs_cache_limit_bytes", "Chunk cache limit", value=snap["bytes_limit"])
+        passthrough = stats["passthrough"]
+        yield CounterMetricFamily("marinfs_passthrough_opens", "Opens the kernel reads from the cache by itself",
+                                  value=passthrough["opens"])
+        yield GaugeMetricFamily("marinfs_passthrough_files", "Versions open through passthrough (pinned in the cache)",
+                                value=passthrough["files"])
         uploads = stats["uploads"]
         yield GaugeMetricFamily("marinfs_uploads_pending", "Open files with uncommitted bytes",
                                 value=len(uploads["pending"]))

@@ -138,7 +138,7 @@ class ChunkFetcher:
         return self.cache is not None and 2 * size <= self.cache.max_bytes
 
     def chunk_key(self, obj: ObjectRef, index: int) -> ChunkKey:
-        return ChunkKey.of(obj, index)
+        return ChunkKey.of(obj, index, index * self.chunk_size)
 
     def _size(self, obj: ObjectRef, index: int) -> int:
         start = index * self.chunk_size

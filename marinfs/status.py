@@ -33,7 +33,7 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())
                 if published.get("pid") == info.get("pid"):
-                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads")
+                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "passthrough")
                                  if k in published})
         else:
             item["problem"] = "no daemon state (started by another user, or the daemon died)"
@@ -57,6 +57,10 @@ def format_status(items: list[dict[str, Any]]) -> str:
             ratio = f"{100 * cache['hits'] / lookups:.1f}%" if lookups else "n/a"
             lines.append(f"  cache {cache['bytes_used'] / 2**30:.2f} / {cache['bytes_limit'] / 2**30:.1f} GiB, "
                          f"hit ratio {ratio}, {cache['evictions']} evictions")
+        through = it.get("passthrough")
+        if through:
+            lines.append(f"  passthrough: {'on' if through['on'] else 'off'}, {through['opens']} opens, "
+                         f"{through['files']} versions open")
         req = it.get("remote_requests")
         if req:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(req["requests"].items())) or "none"

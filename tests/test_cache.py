@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +20,14 @@ from typing import Any
 
 import pytest
 
+from chunkfiles import flip_byte, records
 from conftest import object_store
-from mounting import MARINFS, fsspec_client, inprocess_mount
+from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
 import tiers
 
 pytestmark = pytest.mark.mount  # every test here mounts
 
+KiB = 1 << 10
 MiB = 1 << 20
 CHUNK = 1 * MiB  # small chunks keep CI sizes small while exercising many chunks
 
@@ -113,10 +117,7 @@ def test_flipped_byte_in_a_cached_chunk_is_refetched(remote: Remote, tmp_path: P
     remote.put("f", data)
     with mount(remote, tmp_path):
         assert read_in_child(tmp_path / "mnt/f") == data
-    chunk = sorted((tmp_path / "cache/chunks").rglob("*-0-*"))[0]
-    raw = bytearray(chunk.read_bytes())
-    raw[1000] ^= 0x01
-    chunk.write_bytes(bytes(raw))
+    flip_byte(records(tmp_path / "cache", 0)[0], 1000)
     with mount(remote, tmp_path) as core:
         drop_page_cache()
         assert read_in_child(tmp_path / "mnt/f") == data
@@ -148,8 +149,9 @@ def test_reading_three_times_the_cache_size_never_exceeds_it(remote: Remote, tmp
             watcher.join()
         assert core.fetcher.settle()
         assert peak[0] <= 4 * MiB and cache.used <= 4 * MiB
-        on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/chunks").rglob("*") if p.is_file())
-        assert on_disk <= 4 * MiB and cache.stats.evictions >= 4  # (a chunk that finds every slot
+        # blocks the data files take: what eviction freed (holes punched) is not counted
+        on_disk = sum(p.stat().st_blocks * 512 for p in (tmp_path / "cache/data").rglob("*") if p.is_file())
+        assert on_disk <= 4 * MiB + 64 * KiB and cache.stats.evictions >= 4  # (+ the extent tree's blocks; a chunk that finds every slot
         # reserved by concurrent fetches is served without being cached: the limit wins)
 
 
@@ -286,3 +288,138 @@ def test_a_libfuse_thread_keeps_its_python_state_between_requests(tmp_path: Path
             os.close(fd)
     assert len(seen) >= 32
     assert max(seen) > 1, "every request ran in a fresh Python thread state"
+
+
+HOLD_OPEN = """
+import hashlib, sys
+with open(sys.argv[1], "rb") as f:
+    first = f.read(4096)
+    print("open", flush=True)
+    sys.stdin.readline()  # the test changes the object meanwhile
+    print(hashlib.sha256(first + f.read()).hexdigest(), flush=True)
+"""
+
+
+def test_a_file_cached_whole_is_read_by_the_kernel_itself(remote: Remote, tmp_path: Path) -> None:
+    """Passthrough: once the chunk cache holds a version whole, later opens of it are read (and
+    mapped) by the kernel from its data file, no read reaching the daemon; a handle kept open
+    reads its own version to the end while another node rewrites the object, and the new
+    version is read through the daemon, then passed through in turn."""
+    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+
+    if not LIBFUSE_PASSTHROUGH:
+        pytest.skip("libfuse < 3.17 here: no passthrough (make libfuse builds it)")
+    data, new = os.urandom(3 * MiB + 333), os.urandom(2 * MiB + 5)
+    remote.put("m.bin", data)
+    path = tmp_path / "mnt/m.bin"
+    with mount(remote, tmp_path, metadata_ttl=0.3) as core:
+        assert core.backings is not None, "the kernel and libfuse agreed to no passthrough"
+        assert read_in_child(path) == data
+        assert core.fetcher.settle()
+
+        def passed_through() -> bool:  # close(2) returns before the daemon sees the release
+            return read_in_child(path) == data and core.passthrough_opens > 0
+
+        eventually(passed_through)
+        cache = core.fetcher.cache
+        before = (cache.stats.hits, cache.stats.misses, gets(core))
+        drop_page_cache()
+        assert read_in_child(path) == data
+        out = subprocess.run([sys.executable, "-c", MMAP_RANDOM_ANY, str(path)],
+                             capture_output=True, text=True, check=True, timeout=120)
+        assert out.stdout.strip() == hashlib.sha256(b"".join(data[p * 4096:(p + 1) * 4096]
+                                                             for p in pages_of(len(data)))).hexdigest()
+        assert (cache.stats.hits, cache.stats.misses, gets(core)) == before  # no read reached the daemon
+
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_OPEN, str(path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            assert holder.stdout.readline() == "open\n"
+            assert core.fetcher.cache.pinned() == 1
+            remote.put("m.bin", new)  # another node rewrites it
+            if not remote.url.startswith(("s3", "gs")):
+                os.utime(Path(remote.root) / "m.bin", ns=(1, 10**18))
+            time.sleep(1.6)  # our TTL and the kernel's attribute timeout
+            assert read_in_child(path) == new  # through the daemon, beside the passthrough handle
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline().strip() == hashlib.sha256(data).hexdigest()  # its own version, whole
+        finally:
+            holder.kill()
+            holder.wait()
+        assert core.fetcher.settle()
+        opens = core.passthrough_opens
+        eventually(lambda: read_in_child(path) == new and core.passthrough_opens > opens)
+        eventually(lambda: core.fetcher.cache.pinned() == 0)
+
+
+MMAP_RANDOM_ANY = """
+import mmap, random, sys, hashlib
+with open(sys.argv[1], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    random.seed(11)
+    pages = sorted(random.sample(range(len(m) // 4096), 200))
+    print(hashlib.sha256(b"".join(m[p * 4096:(p + 1) * 4096] for p in pages)).hexdigest())
+"""
+
+
+def pages_of(size: int) -> list[int]:
+    import random
+
+    random.seed(11)
+    return sorted(random.sample(range(size // 4096), 200))
+
+
+def eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
+
+
+def _libfuse_314() -> str | None:
+    from marinfs.libfuse import candidates
+
+    return next((p for p in candidates() if p.endswith(".so.3")), None)
+
+
+@pytest.mark.parametrize("how", ["libfuse 3.14", "--no-passthrough", "on"])
+@tiers.needs("mount")
+def test_a_daemon_passes_files_through_only_where_it_can_and_is_let(tmp_path: Path, how: str) -> None:
+    """``marinfs mount`` on a libfuse without passthrough (Debian 12's 3.14), or with
+    ``--no-passthrough``, reads every file through the daemon as before; where libfuse and the
+    kernel have it, files the cache holds whole are passed through. ``marinfs status`` says which."""
+    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+
+    env, extra = {}, []
+    if how == "libfuse 3.14":
+        old = _libfuse_314()
+        if old is None:
+            pytest.skip("no libfuse3.so.3 on this machine")
+        env["FUSE_LIBRARY_PATH"] = old
+    elif how == "--no-passthrough":
+        extra.append("--no-passthrough")
+    elif not LIBFUSE_PASSTHROUGH:
+        pytest.skip("libfuse < 3.17 here: no passthrough (make libfuse builds it)")
+    (tmp_path / "remote").mkdir()
+    data = os.urandom(2 * MiB + 7)
+    (tmp_path / "remote/f").write_bytes(data)
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(tmp_path / "remote"), mnt, tmp_path / "cache", "--chunk-size", "1M", *extra, env=env):
+        for _ in range(6):
+            assert read_in_child(mnt / "f") == data
+            time.sleep(0.2)  # (the release reaches the daemon after close returns)
+        stats = tmp_path / "cache/stats.json"
+
+        def published() -> Any:
+            return json.loads(stats.read_text()).get("passthrough") if stats.exists() else None
+
+        eventually(lambda: published() is not None and (how != "on" or published()["opens"] > 0), timeout=15)
+        through = published()
+        status = subprocess.run([*MARINFS, "status", str(mnt)], capture_output=True, text=True, timeout=60).stdout
+        if how == "on":
+            assert through["on"] and through["opens"] >= 1
+            assert "passthrough: on" in status
+        else:
+            assert through == {"on": False, "opens": 0, "files": 0}
+            assert "passthrough: off" in status

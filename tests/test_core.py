@@ -841,3 +841,106 @@ def test_an_unreachable_gcs_fails_within_our_retries_not_gcsfs_s() -> None:
         remote.stat("x")
     assert time.monotonic() - started < 5
     assert remote.stats.count("head") == 3
+
+
+# -- passthrough: the kernel reads versions the chunk cache holds whole -----------------------
+class FakeBackings:
+    """fs.Backings as the kernel's ioctls would be, recording what each backing id reads."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.next_id = 0
+        self.live: dict[int, bytes] = {}
+
+    def register(self, fd: int) -> int:
+        if self.refuse:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        self.next_id += 1
+        self.live[self.next_id] = os.pread(fd, 1 << 24, 0)
+        return self.next_id
+
+    def unregister(self, backing_id: int) -> None:
+        del self.live[backing_id]
+
+
+def passthrough_fs(remote: Remote, tmp_path: Path, backings: FakeBackings) -> Filesystem:
+    from marinfs.chunkcache import ChunkCache
+
+    chunk = 64 << 10
+    cache = ChunkCache(tmp_path / "cache", 64 << 20, chunk_size=chunk)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging",
+                    fetcher=ChunkFetcher(remote.read_range, cache, chunk_size=chunk))
+    fs.backings = backings
+    return fs
+
+
+def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remote, tmp_path: Path) -> None:
+    """Once the chunk cache holds every chunk of a version, an open of it is answered with a
+    backing id: the kernel reads the version's data file (the whole object) by itself. The
+    handles of that version opened meanwhile share it; a writer and a reader of another version
+    beside them go around the page cache (the kernel allows no page-cache handle there); the
+    last release drops the backing and unpins the version."""
+    data = os.urandom(200 << 10)  # 4 chunks, the last one short
+    put(remote, "m", data)
+    backings = FakeBackings()
+    fs = passthrough_fs(remote, tmp_path, backings)
+    cold = fs.open("/m", os.O_RDONLY)
+    assert not fs.passes_through(cold)  # nothing cached yet: read through the daemon
+    assert fs.read(cold, len(data) + 1, 0) == data
+    assert fs.fetcher.settle()
+    a = fs.open("/m", os.O_RDONLY)  # cold is still open, with the page cache: so does a
+    assert not fs.passes_through(a)
+    fs.release(cold)
+    fs.release(a)
+    a, b = fs.open("/m", os.O_RDONLY), fs.open("/m", os.O_RDONLY)
+    backing_id = fs.passes_through(a)
+    assert backing_id > 0 and fs.passes_through(b) == backing_id
+    assert backings.live == {backing_id: data}  # the file registered is the object
+    assert not fs.bypasses_kernel_cache(a) and fs.fetcher.cache.pinned() == 1
+    # While the kernel reads the file from that backing, every open of it must carry it: a
+    # writer, and a reader beside a writer, carry it but go around it (direct I/O: their reads
+    # and writes reach the daemon).
+    w = fs.open("/m", os.O_WRONLY)
+    assert fs.bypasses_kernel_cache(w) and fs.passes_through(w) == backing_id
+    r = fs.open("/m", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(r) and fs.passes_through(r) == backing_id
+    assert fs.read(r, 10, 0) == data[:10]
+    fs.release(r)
+    fs.release(w)
+    put(remote, "m", data + b"more")  # another node's new version
+    fs.metadata.forget("m")
+    n = fs.open("/m", os.O_RDONLY)  # (after the grace for a's and b's release)
+    assert fs.bypasses_kernel_cache(n) and fs.passes_through(n) == backing_id
+    assert fs.read(n, len(data) + 10, 0) == data + b"more"  # through the daemon: the new version
+    fs.release(a)
+    fs.release(b)
+    assert backing_id in backings.live  # n still carries it: the kernel keeps it for the inode
+    c = fs.open("/m", os.O_RDONLY)  # so a new open carries it too, and reads the new version
+    assert fs.bypasses_kernel_cache(c) and fs.passes_through(c) == backing_id
+    fs.release(c)
+    fs.release(n)
+    assert backings.live == {} and fs.fetcher.cache.pinned() == 0
+    assert fs.fetcher.settle()
+    d = fs.open("/m", os.O_RDONLY)  # nothing carries the old one: the new version, cached whole by now
+    assert fs.passes_through(d) not in (0, backing_id) and not fs.bypasses_kernel_cache(d)
+    assert backings.live == {fs.passes_through(d): data + b"more"}
+    fs.release(d)
+    assert fs.stats()["passthrough"] == {"on": True, "opens": 3, "files": 0}
+    assert fs._page_users == {}
+    fs.close()
+
+
+def test_fs_a_kernel_that_refuses_backing_files_leaves_reads_to_the_daemon(remote: Remote, tmp_path: Path) -> None:
+    data = os.urandom(100 << 10)
+    put(remote, "m", data)
+    fs = passthrough_fs(remote, tmp_path, FakeBackings(refuse=True))
+    fh = fs.open("/m", os.O_RDONLY)
+    assert fs.read(fh, len(data), 0) == data
+    fs.release(fh)
+    assert fs.fetcher.settle()
+    fh = fs.open("/m", os.O_RDONLY)
+    assert not fs.passes_through(fh) and not fs.bypasses_kernel_cache(fh)
+    assert fs.read(fh, len(data), 0) == data
+    fs.release(fh)
+    assert fs.backings is None and fs.fetcher.cache.pinned() == 0  # asked once, never again
+    fs.close()

@@ -32,6 +32,7 @@ from marinfs.errors import StaleVersionError
 from marinfs.recovery import recover
 from marinfs.remote import Remote
 from marinfs.staging import JOURNAL_SUFFIX
+from chunkfiles import cut_short, records, region
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
 import tiers
 
@@ -333,12 +334,16 @@ def test_a_chunk_removed_or_cut_short_under_a_running_daemon_is_refetched(faulty
     read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
     assert read == data
     assert faulty.core.fetcher.settle()  # chunks are written to disk by their own threads
-    chunks = sorted((faulty.cache / "chunks").rglob("*-*-*"))
+    chunks = records(faulty.cache)
     assert len(chunks) == 4
-    chunks[0].unlink()
-    with open(chunks[1], "r+b") as f:
-        f.truncate(1000)
+    cut_short(chunks[1], 1000)  # chunks 1 to 3 cut short in their data file
     faulty.core.fetcher.drop_memory()  # only the disk cache is left
+    drop_page_cache()
+    read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
+    assert read == data
+    assert faulty.core.fetcher.settle()
+    region(records(faulty.cache)[0])[0].unlink()  # the version's whole data file removed
+    faulty.core.fetcher.drop_memory()
     drop_page_cache()
     read = subprocess.run(["cat", str(faulty.mnt / "c")], capture_output=True, check=True).stdout
     assert read == data

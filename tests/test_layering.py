@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # Lowest first; a module may import only modules of a lower layer. Keep in step with the table
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
-    {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames"},
+    {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
     {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkfiles import cut_short, flip_byte, records, region
 from marinfs.chunkcache import ChunkCache, ChunkKey, lock_holder
 from marinfs.errors import UsageError, errno_for
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -210,47 +211,58 @@ def _open_chunk_files(cache_dir: Path) -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(str(cache_dir / "chunks")):
+        if target.startswith((str(cache_dir / "chunks"), str(cache_dir / "data"))):
             found.append(target)
     return found
 
 
 def test_reads_of_a_chunk_share_one_kept_descriptor_closed_when_it_goes(tmp_path: Path) -> None:
     """A mapped file's faults read a chunk 4 KiB at a time: its file stays open between reads
-    (an open and a close per read cost as much as the read), for the last OPEN_FILES chunks
+    (an open and a close per read cost as much as the read), for the last OPEN_FILES files
     read; evicted, discarded or the cache closed, nothing stays open."""
     cache = ChunkCache(tmp_path, 3 * KiB)
     cache.OPEN_FILES = 2
-    for i in range(3):
-        assert cache.put(key(i), bytes([i]) * KiB)
+    for i in range(3):  # three versions: three data files
+        assert cache.put(key(0, f"v{i}"), bytes([i]) * KiB)
     for _ in range(3):
         for i in range(3):
-            assert cache.read(key(i), 7, 2) == bytes([i]) * 2  # the first read verifies the chunk
-    assert len(_open_chunk_files(tmp_path)) == 2  # chunks 1 and 2: 0 was read least recently
-    assert cache.put(key(3), b"3" * KiB) and cache.put(key(4), b"4" * KiB)  # evicts 0, then 1
+            assert cache.read(key(0, f"v{i}"), 7, 2) == bytes([i]) * 2  # the first read verifies the chunk
+    assert len(_open_chunk_files(tmp_path)) == 2  # v1 and v2: v0 was read least recently
+    assert cache.put(key(0, "v3"), b"3" * KiB) and cache.put(key(0, "v4"), b"4" * KiB)  # evicts v0, then v1
     assert cache.stats.evictions == 2
-    assert all("deleted" not in f for f in _open_chunk_files(tmp_path))  # 1's file closed with it
-    assert len(_open_chunk_files(tmp_path)) == 1 and cache.read(key(1), 0, 1) is None
+    assert all("deleted" not in f for f in _open_chunk_files(tmp_path))  # v1's file closed with it
+    assert len(_open_chunk_files(tmp_path)) == 1 and cache.read(key(0, "v1"), 0, 1) is None
     cache.close()
     assert _open_chunk_files(tmp_path) == []
     cache.check_invariants()
 
 
-def test_a_kept_descriptor_is_closed_only_after_the_read_using_it(tmp_path: Path) -> None:
-    """A chunk discarded while a read uses its descriptor: the read still reads its bytes (the
-    descriptor's number is not reused under it), and the last read closes it."""
-    cache = ChunkCache(tmp_path, MiB)
-    assert cache.put(key(1), b"abcdef") and cache.read(key(1), 0, 1) == b"a"
+def test_a_chunk_evicted_while_read_keeps_its_bytes_until_the_read_ends(tmp_path: Path) -> None:
+    """A chunk that leaves the index while a read uses it: the read still reads its bytes (its
+    region is punched out, and its descriptor closed, only after that read), the same chunk is
+    not written again into the region meanwhile, and the version's other chunks stay whole."""
+    cache = ChunkCache(tmp_path, MiB, chunk_size=64 * KiB)
+    first, second = os.urandom(64 * KiB), os.urandom(64 * KiB)
+    assert cache.put(key(0), first) and cache.put(key(1), second) and cache.read(key(1), 0, 1) == second[:1]
+    (rec0,), (rec1,) = records(tmp_path, 0), records(tmp_path, 1)
+    path, offset, size = region(rec1)
+    assert region(rec0)[0] == path and (offset, size) == (64 * KiB, 64 * KiB)  # one data file
     ikey = (key(1).object_id, 1)
-    entry, verified, fd = cache._used_entry(ikey, take_fd=True)  # a read in flight holds it
-    assert verified and fd >= 0
-    cache._discard(ikey, entry)
-    (still,) = _open_chunk_files(tmp_path)
-    assert still.endswith(" (deleted)")  # discarded, its file removed, the descriptor still open
-    assert os.pread(fd, 3, 2) == b"cde"  # the reader finishes
+    entry, verified, fd = cache._used_entry(key(1), take_fd=True)  # a read in flight holds it
+    assert verified and fd is not None
+    with cache._lock:
+        cache._remove_locked(ikey, entry)  # evicted
+    assert not rec1.exists() and cache.read(key(1), 0, 1) is None  # gone from the index at once
+    assert not cache.put(key(1), second)  # not into a region a read still uses
+    assert os.pread(fd.fd, 3, offset + 2) == second[2:5]  # the reader finishes
     cache.check_invariants()
-    cache._done(entry, fd)
-    assert _open_chunk_files(tmp_path) == [] and cache.read(key(1), 0, 1) is None
+    cache._done(ikey, entry, fd)
+    with open(path, "rb") as f:
+        assert os.lseek(f.fileno(), offset, os.SEEK_HOLE) == offset  # its blocks are freed now
+    assert cache.read(key(0), 0, 64 * KiB) == first
+    assert cache.put(key(1), second) and cache.read(key(1), 0, 64 * KiB) == second
+    cache.close()
+    assert _open_chunk_files(tmp_path) == []
     cache.check_invariants()
 
 
@@ -272,14 +284,152 @@ def test_corrupt_chunk_is_detected_and_never_served(tmp_path: Path) -> None:
     cache = ChunkCache(tmp_path, MiB)
     cache.put(key(1), b"hello world")
     cache.close()
-    (path,) = [p for p in (tmp_path / "chunks").rglob("*-1-*")]
-    data = bytearray(path.read_bytes())
-    data[3] ^= 0xFF
-    path.write_bytes(bytes(data))
+    (path,) = records(tmp_path, 1)
+    flip_byte(path, 3)
     restarted = ChunkCache(tmp_path, MiB)
     assert restarted.read(key(1), 0, 11) is None
     assert restarted.stats.corrupt == 1 and not path.exists()
     restarted.check_invariants()
+
+
+def _data_blocks(path: Path) -> list[tuple[int, int]]:
+    """The (start, end) ranges of ``path`` that hold blocks (SEEK_DATA / SEEK_HOLE)."""
+    ranges, pos = [], 0
+    with open(path, "rb") as f:
+        while True:
+            try:
+                start = os.lseek(f.fileno(), pos, os.SEEK_DATA)
+            except OSError:
+                return ranges
+            pos = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            ranges.append((start, pos))
+
+
+def test_a_version_is_one_sparse_file_of_its_chunks_at_their_offsets(tmp_path: Path) -> None:
+    """Chunks of one version land in one data file at their offsets in the object, each
+    recorded by its own empty file; with all of them cached the data file is the object."""
+    chunk = 64 * KiB
+    data = os.urandom(3 * chunk + 100)
+    cache = ChunkCache(tmp_path, MiB, chunk_size=chunk)
+    for i in (2, 0, 3):
+        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    (path, offset, size), = {region(r) for r in records(tmp_path, 3)}
+    assert (offset, size) == (3 * chunk, 100) and path.stat().st_size == len(data)
+    assert all(r.stat().st_size == 0 for r in records(tmp_path))
+    assert _data_blocks(path) == [(0, chunk), (2 * chunk, len(data))]  # chunk 1: a hole
+    assert cache.pin(key(0).object_id, 4, len(data)) is None  # chunk 1 missing: not the object
+    assert cache.put(key(1), data[chunk:2 * chunk])
+    assert path.read_bytes() == data
+    cache.check_invariants()
+
+
+def test_a_pinned_version_is_the_object_and_is_not_evicted(tmp_path: Path) -> None:
+    """``pin`` hands out the data file of a version cached whole and verified (what the kernel
+    reads by itself, FUSE passthrough); its chunks are not evicted while pinned, and a chunk
+    that cannot fit beside them is not cached. Unverified chunks (after a restart) or a wrong
+    size or count: no pin."""
+    chunk = 64 * KiB
+    data = os.urandom(2 * chunk)
+    cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
+    oid = key(0).object_id
+    for i in range(2):
+        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    assert cache.pin(oid, 2, len(data) + 1) is None and cache.pin(oid, 3, 3 * chunk) is None
+    fd = cache.pin(oid, 2, len(data))
+    assert fd is not None
+    try:
+        assert os.pread(fd, len(data) + 1, 0) == data
+        for i in range(3):  # other versions come and go; the pinned one stays
+            assert cache.put(key(0, f"other{i}"), b"x" * chunk)
+            cache.check_invariants()
+        assert not cache.put(key(1, "other9"), b"y" * (2 * chunk))  # no room beside the pin
+        assert cache.contains(key(0)) and cache.contains(key(1))
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+        cache.unpin(oid)
+    assert cache.pinned() == 0
+    assert cache.put(key(0, "new"), b"z" * (2 * chunk)) and not cache.contains(key(0))  # evictable again
+    cache.close()
+    again = ChunkCache(tmp_path, 8 * chunk, chunk_size=chunk)
+    assert again.put(key(0, "w"), data[:chunk]) and again.put(key(1, "w"), data[chunk:])
+    again.close()
+    restarted = ChunkCache(tmp_path, 8 * chunk, chunk_size=chunk)
+    woid = key(0, "w").object_id
+    assert restarted.pin(woid, 2, len(data)) is None  # not verified since this start
+    assert restarted.read(key(0, "w"), 0, chunk) == data[:chunk]
+    assert restarted.read(key(1, "w"), 0, chunk) == data[chunk:]
+    fd = restarted.pin(woid, 2, len(data))
+    assert fd is not None
+    os.close(fd)
+    restarted.unpin(woid)
+
+
+def test_a_restart_frees_bytes_no_record_stands_for(tmp_path: Path) -> None:
+    """A crash between a chunk's bytes and its record leaves blocks the index does not count:
+    the next start punches them out; a data file no record names goes, and a record whose
+    data file is gone is dropped."""
+    chunk = 64 * KiB
+    cache = ChunkCache(tmp_path, MiB, chunk_size=chunk)
+    kept = os.urandom(chunk)
+    assert cache.put(key(0), kept) and cache.put(key(1), os.urandom(chunk)) and cache.put(key(0, "lone"), b"l" * 10)
+    cache.close()
+    path = tmp_path / "data" / key(0).object_id[:2] / key(0).object_id
+    for r in records(tmp_path, 1):
+        r.unlink()  # chunk 1's bytes are there, its record is not
+    (lone,) = [r for r in records(tmp_path, 0) if key(0, "lone").object_id in r.name]
+    lone_data = region(lone)[0]
+    lone.unlink()  # a data file with no record at all
+    orphan = tmp_path / "chunks" / "ff" / f"{'f' * 32}-0-c00000000+0+5"
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"")  # a record whose data file is gone
+    assert _data_blocks(path) == [(0, 2 * chunk)]
+    again = ChunkCache(tmp_path, MiB, chunk_size=chunk)
+    assert _data_blocks(path) == [(0, chunk)] and not lone_data.exists() and not orphan.exists()
+    assert again.read(key(0), 0, chunk) == kept and again.read(key(1), 0, 1) is None
+    assert again.snapshot()["chunks"] == 1 and again.used == chunk
+    again.check_invariants()
+
+
+def test_without_hole_punching_a_version_leaves_the_cache_whole(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a filesystem that cannot punch holes, evicting one chunk of a data file would free
+    nothing: its version's other chunks go with it, so the limit holds on disk too."""
+    def no_punch(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr("marinfs.chunkcache._punch_hole", no_punch)
+    chunk = 64 * KiB
+    cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
+    for i in range(3):
+        assert cache.put(key(i), bytes([i]) * chunk)
+    assert cache.put(key(0, "next"), b"n" * chunk)  # evicts chunk 0 of v, and so all of v
+    assert not any(cache.contains(key(i)) for i in range(3)) and cache.contains(key(0, "next"))
+    assert records(tmp_path) == [r for r in records(tmp_path) if key(0, "next").object_id in r.name]
+    assert not (tmp_path / "data" / key(0).object_id[:2] / key(0).object_id).exists()
+    cache.check_invariants()
+
+
+def test_a_chunk_write_that_fails_midway_leaves_no_bytes_behind(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = 64 * KiB
+    cache = ChunkCache(tmp_path, MiB, chunk_size=chunk)
+    assert cache.put(key(0), b"a" * chunk)
+    real = os.pwrite
+    calls = []
+
+    def full_after_one(fd: int, data: object, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, memoryview(data)[:4096], offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", full_after_one)
+    assert not cache.put(key(1), b"b" * chunk)
+    path = region(records(tmp_path, 0)[0])[0]
+    assert _data_blocks(path) == [(0, chunk)] and records(tmp_path, 1) == []
+    assert cache.used == chunk and cache.stats.write_failures == 1
+    cache.check_invariants()
 
 
 def test_restart_keeps_chunks_and_drops_unfinished_writes(tmp_path: Path) -> None:
@@ -301,10 +451,14 @@ def test_restart_keeps_chunks_and_drops_unfinished_writes(tmp_path: Path) -> Non
 def test_a_full_disk_degrades_to_uncached_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = ChunkCache(tmp_path, 64 * MiB)
 
-    def no_space(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_open = os.open
 
-    monkeypatch.setattr("marinfs.chunkcache.tempfile.mkstemp", no_space)
+    def no_space(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("marinfs.chunkcache.os.open", no_space)
     fetch = RecordingFetch(DATA)
     fetcher = ChunkFetcher(fetch, cache, chunk_size=8 * MiB)
     reader = ObjectReader(ref(), fetcher)
@@ -370,27 +524,28 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
     assert cache.put(key(3), memoryview(data)) and cache.read(key(3), 0, MiB + 5) == data  # any buffer
 
 
-def test_chunks_of_an_older_daemon_are_verified_with_their_own_checksum(tmp_path: Path) -> None:
-    """New chunks carry CRC-32C ("-c" names); chunks named with zlib's CRC-32 by an older
-    daemon are still served, verified with that, and a corrupt one is fetched again."""
+def test_chunks_of_an_older_daemon_are_dropped_and_other_chunk_sizes_never_served(tmp_path: Path) -> None:
+    """An older daemon kept a file per chunk, named for its index alone: with another
+    ``--chunk-size`` since, chunk N stands for other bytes of the object, so such files are
+    dropped at start (fetched again), never served. A record names where its chunk starts: a
+    chunk cut with another chunk size is a miss, dropped, never another chunk's bytes."""
     import zlib
 
     cache = ChunkCache(tmp_path, MiB)
     cache.put(key(1), b"new chunk")
     cache.close()
-    (new,) = (tmp_path / "chunks").rglob("*-1-*")
-    crc = new.name.rsplit("-", 1)[1]
+    (new,) = records(tmp_path, 1)
+    crc = new.name.rsplit("-", 1)[1].split("+")[0]
     assert len(crc) == 9 and crc[0] == "c"
-    sub = new.parent
-    object_id = new.name.split("-")[0]
-    good, bad = b"old chunk", b"old chunk, corrupt"
-    assert f"{zlib.crc32(good):08x}"[0] == "c"  # an older name may well start with "c" too
-    (sub / f"{object_id}-2-{zlib.crc32(good):08x}").write_bytes(good)
-    (sub / f"{object_id}-3-{zlib.crc32(bad):08x}").write_bytes(bad[:-1] + b"!")
+    sub, object_id = new.parent, new.name.split("-")[0]
+    old = sub / f"{object_id}-2-{zlib.crc32(b'old chunk'):08x}"
+    old.write_bytes(b"old chunk")
     again = ChunkCache(tmp_path, MiB)
-    assert again.read(key(1), 0, 9) == b"new chunk"
-    assert again.read(key(2), 0, 9) == good
-    assert again.read(key(3), 0, 5) is None and again.stats.corrupt == 1
+    assert not old.exists() and again.read(key(2), 0, 9) is None
+    assert again.read(key(1), 0, 9) == b"new chunk"  # (key(1) says nothing of where: the cache's size)
+    at = ChunkKey("s3://b/x", "v", 1, start=MiB)  # chunk 1 of a 1 MiB chunk size: other bytes
+    assert not again.contains(at) and again.read(at, 0, 9) is None and not new.exists()
+    assert again.put(at, b"other size") and again.read(at, 0, 10) == b"other size"
     again.check_invariants()
 
 
@@ -504,17 +659,16 @@ def test_corrupt_or_cut_chunks_are_never_served_into_a_view(tmp_path: Path) -> N
     cache.put(key(1), b"hello world")
     cache.put(key(2), b"second chunk")
     cache.close()
-    (path,) = (p for p in tmp_path.glob("chunks/*/*-1-*"))
-    path.write_bytes(b"hellO world")  # a flipped byte: found by the first read's checksum
+    (path,) = records(tmp_path, 1)
+    flip_byte(path, 4)  # found by the first read's checksum
     restarted = ChunkCache(tmp_path, MiB)
     buf, view = guarded(5)
     assert not restarted.read_into(key(1), view, 6)
     assert restarted.stats.corrupt == 1 and not path.exists()
     view[:] = b"zzzzz"
     assert restarted.read_into(key(2), view, 0) and view == b"secon"  # verified, then read
-    (cut,) = (p for p in tmp_path.glob("chunks/*/*-2-*"))
-    with open(cut, "r+b") as f:
-        f.truncate(3)  # cut short after it was verified: a miss, never a short read
+    (cut,) = records(tmp_path, 2)
+    cut_short(cut, 3)  # cut short after it was verified: a miss, never a short read
     assert not restarted.read_into(key(2), view, 0)
     assert restarted.stats.corrupt == 2 and not cut.exists() and untouched_guards(buf, 5)
     restarted.check_invariants()
@@ -524,10 +678,8 @@ def test_a_corrupt_cached_chunk_is_fetched_again_by_read_into(tmp_path: Path) ->
     fetcher = ChunkFetcher(RecordingFetch(DATA), ChunkCache(tmp_path, 64 * MiB, lock=False), chunk_size=MiB)
     ObjectReader(ref(), fetcher).read(MiB, 0)
     fetcher.close()
-    for path in tmp_path.glob("chunks/*/*-0-*"):
-        data = bytearray(path.read_bytes())
-        data[100] ^= 1
-        path.write_bytes(bytes(data))
+    for path in records(tmp_path, 0):
+        flip_byte(path, 100)
     fetch = RecordingFetch(DATA)
     fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 64 * MiB, lock=False), chunk_size=MiB)
     view = memoryview(bytearray(MiB))
@@ -765,7 +917,7 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
 
     def recording(fd: int, offset: int, length: int, advice: int) -> None:
         if advice == os.POSIX_FADV_WILLNEED:
-            advised.append(int(os.readlink(f"/proc/self/fd/{fd}").rsplit("-", 2)[-2]))
+            advised.append(offset // MiB)  # the chunk it is in
         real(fd, offset, length, advice)
 
     monkeypatch.setattr("marinfs.chunkcache.os.posix_fadvise", recording)
@@ -830,8 +982,8 @@ def test_advising_a_cached_chunk_reads_all_of_it_into_the_page_cache(tmp_path: P
     chunk to its faults, each a small read of the disk. Advised in pieces, all of it is read."""
     cache = ChunkCache(tmp_path / "c", 256 * MiB)
     data = os.urandom(8 * MiB)
-    assert cache.put(key(1), data)  # written with O_DIRECT: nothing of it in the page cache
-    path = next((tmp_path / "c" / "chunks").rglob("*-1-*"))
+    assert cache.put(key(0), data)  # written with O_DIRECT: nothing of it in the page cache
+    path, _, _ = region(records(tmp_path / "c", 0)[0])
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -841,12 +993,12 @@ def test_advising_a_cached_chunk_reads_all_of_it_into_the_page_cache(tmp_path: P
     if before == pages:
         pytest.skip("the filesystem under tmp_path keeps every page resident (tmpfs): nothing to read ahead")
     assert before < pages // 2
-    cache.advise(key(1))
+    cache.advise(key(0))
     deadline = time.monotonic() + 10
     while _resident(path)[0] < pages and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _resident(path) == (pages, pages)
-    assert cache.read(key(1), 0, len(data)) == data
+    assert cache.read(key(0), 0, len(data)) == data
 
 
 def test_the_warm_sweep_reads_ahead_only_what_memory_can_keep(tmp_path: Path,
@@ -894,18 +1046,15 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     again, never served."""
     data, fetch, cache = _read_once_cold(tmp_path, 24 * MiB + 5, chunk_size=4 * MiB, memory_bytes=32 * MiB)
     cache.close()
-    damaged = next(p for p in (tmp_path / "chunks").rglob("*-3-*"))
-    raw = bytearray(damaged.read_bytes())
-    raw[100] ^= 0xFF
-    damaged.write_bytes(bytes(raw))
+    flip_byte(records(tmp_path, 3)[0], 100)
 
-    real_open, opened = os.open, []
+    real_preadv, opened = os.preadv, []
 
-    def recording(path: object, flags: int, *args: object) -> int:
-        opened.append((str(path), bool(flags & os.O_DIRECT)))
-        return real_open(path, flags, *args)  # type: ignore[arg-type]
+    def recording(fd: int, buffers: list, offset: int) -> int:  # (chunk read, with O_DIRECT)
+        opened.append((str(offset // (4 * MiB)), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr("marinfs.chunkcache.os.open", recording)
+    monkeypatch.setattr("marinfs.chunkcache.os.preadv", recording)
     fetch.calls.clear()
     cache = ChunkCache(tmp_path, 256 * MiB)  # restarted: chunks unverified
     fetcher = ChunkFetcher(fetch, cache, chunk_size=4 * MiB, memory_bytes=32 * MiB)
@@ -914,7 +1063,7 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     assert got == data
     assert fetch.calls == [(12 * MiB, 16 * MiB)]  # the damaged chunk alone, fetched again
     assert cache.stats.corrupt == 1
-    direct = {p.rsplit("/", 1)[1].split("-")[1] for p, d in opened if d}
+    direct = {chunk for chunk, d in opened if d}
     assert {"2", "4", "5", "6"} <= direct  # chunks ahead of the reader: loaded with O_DIRECT
     assert "1" not in direct  # asked for after one read only: read ahead by the disk instead
     reader.close()

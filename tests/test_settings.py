@@ -46,7 +46,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "cache_dir": str(tmp / "cache"), "metadata_ttl": 7.5, "negative_ttl": 2.5, "list_ttl": 3.5,
         "immutable": ["ckpt/**", "*.bin"], "list_prefetch": False, "chunk_size": 1 << 20,
         "cache_size": 64 << 20, "cache_min_free": 2 << 20, "prefetch_workers": 3,
-        "max_readahead_chunks": 5, "read_ahead_kb": 512, "metrics_port": free_port(),
+        "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
         # Only the names of storage options are published (they may hold credentials).
