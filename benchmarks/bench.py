@@ -63,7 +63,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import urllib.request
@@ -382,6 +381,8 @@ def metrics(m: Mount) -> dict[str, Any]:
         for line in resp.read().decode().splitlines():
             if line.startswith("marinfs_cache_used_bytes "):
                 out["cache_used_bytes"] = float(line.split()[1])
+            elif line.startswith("marinfs_passthrough_opens_total "):
+                out["passthrough_opens"] = float(line.split()[1])
     return out
 
 
@@ -411,10 +412,12 @@ def server_delta(before: dict[str, float], now: dict[str, float]) -> dict[str, i
 
 
 def request_delta(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    d = {}
+    d: dict[str, Any] = {}
     for group in ("requests", "bytes"):
         g = {k: int(v - before.get(group, {}).get(k, 0)) for k, v in now.get(group, {}).items()}
         d[group] = {k: v for k, v in g.items() if v}
+    if "passthrough_opens" in now:  # opens the kernel read from the chunk cache by itself
+        d["passthrough_opens"] = int(now["passthrough_opens"] - before.get("passthrough_opens", 0))
     return d
 
 
@@ -1085,6 +1088,9 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
             gets = [s.extra["remote"]["requests"].get("get") for s in ss if "remote" in s.extra]
             if any(g is not None for g in gets):
                 notes.append("GETs " + "/".join(str(g or 0) for g in gets))
+            through = [s.extra["remote"].get("passthrough_opens") for s in ss if "remote" in s.extra]
+            if any(through):
+                notes.append("passthrough opens " + "/".join(str(t or 0) for t in through))
             srv = [s.extra["server"] for s in ss if "server" in s.extra]
             if any(srv):  # SeaweedFS's own count, where the harness asked it (model loading)
                 notes.append("server GETs " + "/".join(str(x.get("GET", 0)) for x in srv) + ", MiB sent "

@@ -125,6 +125,7 @@ class Backing:
     id: int
     fd: int
     object_id: str
+    via: Backings  # what registered it, and unregisters it (even once the mount stopped asking)
 
 
 class Backings(Protocol):
@@ -819,14 +820,12 @@ class Filesystem:
             log.warning("passthrough refused for %s (%s): files are read through the daemon from now on", key, exc)
             self.backings = None  # the kernel refuses this mount's backing files: stop asking
             return None
-        return Backing(backing_id, fd, object_id)
+        return Backing(backing_id, fd, object_id, self.backings)
 
     def _drop_backing(self, backing: Backing) -> None:
         """The last handle of a passthrough version is gone: unregister and unpin it."""
-        backings = self.backings
         try:
-            if backings is not None:
-                backings.unregister(backing.id)
+            backing.via.unregister(backing.id)
         except OSError as exc:
             log.warning("passthrough: cannot drop backing %d: %s", backing.id, exc)
         finally:
