@@ -177,6 +177,11 @@ class ChunkCache:
         self._punching: set[tuple[str, int]] = set()  # chunks whose region waits for its reads to end
         self._writing: set[tuple[str, int]] = set()  # chunks being written by put
         self._pins: dict[str, int] = {}  # object id -> open pins (``pin``): its chunks are not evicted
+        # Data files never punched: ones handed out by ``pin`` (a process's map of the file made
+        # through passthrough outlives every handle, and reads it directly: such a file leaves
+        # whole, unlinked, so the map keeps its blocks), and ones holding chunks cut with two
+        # chunk sizes (a punch for one would cut into the other's bytes). Both go whole.
+        self._unpunched: set[Path] = set()
         self.used = 0
         self._reserved = 0
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -227,11 +232,15 @@ class ChunkCache:
                     path.unlink(missing_ok=True)
         found.sort(key=lambda item: item[0])
         regions: dict[Path, list[tuple[int, int]]] = {}
+        sizes: dict[Path, set[int]] = {}
         for _, key, entry in found:
             regions.setdefault(entry.path, []).append((entry.offset, entry.size))
+            if key[1]:
+                sizes.setdefault(entry.path, set()).add(entry.offset // key[1] if entry.offset % key[1] == 0 else -1)
             self._files[entry.path] = self._files.get(entry.path, 0) + 1
             self._index[key] = entry
             self.used += entry.size
+        self._unpunched.update(path for path, seen in sizes.items() if len(seen) > 1)
         for sub in self.data.iterdir():
             for path in sub.iterdir() if sub.is_dir() else ():
                 if path not in regions:
@@ -280,10 +289,12 @@ class ChunkCache:
     # -- reads ---------------------------------------------------------------------------------
     def _lookup_locked(self, key: ChunkKey) -> _Entry | None:
         """The chunk's entry; None if there is none or it was cut with another chunk size (it
-        holds other bytes of the object: dropped)."""
+        holds other bytes of the object: dropped, its data file never punched from now on, as
+        this size's chunks will overlap the other's)."""
         ikey = (key.object_id, key.index)
         entry = self._index.get(ikey)
         if entry is not None and key.start >= 0 and entry.offset != key.start:
+            self._unpunched.add(entry.path)
             self._remove_locked(ikey, entry)
             return None
         return entry
@@ -500,8 +511,9 @@ class ChunkCache:
     def pin(self, object_id: str, chunks: int, size: int) -> int | None:
         """A read-only descriptor of the data file of a version whose every chunk (``chunks``
         of them, ``size`` bytes in all) is cached and verified since this daemon started: the
-        whole object, as a file. Its chunks are then not evicted until ``unpin``. None when a
-        chunk is missing, unverified or in a file of its own."""
+        whole object, as a file. Its chunks are then not evicted until ``unpin``, and the file
+        is never punched (a map of it, made through passthrough, reads it after every handle
+        closed): it leaves the cache whole. None when a chunk is missing or unverified."""
         if chunks <= 0:
             return None
         with self._lock:
@@ -522,6 +534,7 @@ class ChunkCache:
                 os.close(fd)
                 return None
             self._pins[object_id] = self._pins.get(object_id, 0) + 1
+            self._unpunched.add(path)  # maps of it may outlive the pin
             return fd
 
     def unpin(self, object_id: str) -> None:
@@ -678,7 +691,7 @@ class ChunkCache:
         self._punching.discard(ikey)
         entry.marker.unlink(missing_ok=True)
         if self._files.get(entry.path, 0) > 1 and ikey[0] not in self._pins:  # (else the file goes whole)
-            if self._punch:
+            if self._punch and entry.path not in self._unpunched:
                 try:
                     self._punch_region(entry.path, entry.offset, entry.size)
                 except OSError as exc:
@@ -688,7 +701,7 @@ class ChunkCache:
                         self._punch = False
                         log.info("chunk cache %s: no hole punching (%s); a version's chunks leave together",
                                  self.dir, exc)
-            if not self._punch:
+            if not self._punch or entry.path in self._unpunched:
                 self._evict_file_locked(entry.path)
         self._release_file_locked(entry.path)
 
@@ -722,6 +735,7 @@ class ChunkCache:
             self._files[path] = left
             return
         self._files.pop(path, None)
+        self._unpunched.discard(path)  # a new file of that name is a new inode: punched as usual
         self._shut_locked(path)
         path.unlink(missing_ok=True)
 

@@ -200,6 +200,7 @@ class Filesystem:
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
         # The open read handles using the kernel's page cache of each key (one version each).
         self._page_users: dict[str, PageUsers] = {}
+        self._writers_opening: dict[str, int] = {}  # key -> writers between their check and staging (_writer_staged)
         self.release_grace = 0.1  # seconds an open of another version waits for their release
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)  # a key's last page-cache reader let go
@@ -741,7 +742,7 @@ class Filesystem:
             raise FsError(errno.EISDIR, key)
         if info.link:  # the kernel resolves links before an open: only O_NOFOLLOW's answer here
             raise FsError(errno.ELOOP, key)
-        staged = self._acquire_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
+        staged = self._writer_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:
             users = self._page_users.get(key)
@@ -756,11 +757,11 @@ class Filesystem:
                         break
                     self._released.wait(left)
                     users = self._page_users.get(key)
-            if tracked and users is None and key not in self._staged:
+            if tracked and users is None and key not in self._staged and not self._bystanders_locked(key):
                 backing = self._whole_version_locked(key, info)
                 if backing is not None:  # (a version cached whole: see below)
                     users = self._page_users[key] = PageUsers(key, info.version, backing=backing)
-            if users is not None and users.backing is not None:
+            if users is not None and users.backing is not None:  # (never a writer: _writer_staged)
                 self._carry_locked(handle, users, member=tracked and users.version == info.version
                                    and key not in self._staged)
             elif tracked and users is not None and users.version != info.version:
@@ -781,13 +782,50 @@ class Filesystem:
                     handle.page_users = users
         return self._new_handle(handle)
 
+    def _writer_staged(self, key: str, info: ObjectInfo | None, truncate: bool,
+                       attrs: PosixAttrs | None = None) -> StagedFile:
+        """The staged file a writer opens, unless the kernel reads the file from a backing here
+        (passthrough): every open of it would have to carry that backing, and a writer's shared
+        map of it would write into the chunk cache, so it is refused (``ETXTBSY``, as for a
+        program being run) once the readers had a moment to close. No backing is made for it
+        while it opens (``_writers_opening``), nor later while its staged file lives."""
+        with self._lock:
+            users = self._page_users.get(key)
+            deadline = time.monotonic() + self.release_grace
+            while users is not None and users.backing is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FsError(errno.ETXTBSY, f"{key} is open here through passthrough; "
+                                  f"close its readers before writing it")
+                self._released.wait(left)
+                users = self._page_users.get(key)
+            self._writers_opening[key] = self._writers_opening.get(key, 0) + 1
+        try:
+            return self._acquire_staged(key, info, truncate, attrs=attrs)
+        finally:
+            with self._lock:
+                left_opening = self._writers_opening[key] - 1
+                if left_opening:
+                    self._writers_opening[key] = left_opening
+                else:
+                    del self._writers_opening[key]
+
+    def _bystanders_locked(self, key: str) -> bool:
+        """Whether a handle of ``key`` is open that neither reads through a page-cache group nor
+        carries a backing (a direct reader of another version, an unversioned reader), or a
+        writer is opening: no backing may be made then (the kernel would refuse those handles'
+        maps, or the backing's opens)."""
+        if key in self._writers_opening:
+            return True
+        return any(h.key == key and not h.orphan and h.page_users is None and h.carries is None
+                   for h in self._handles.values())
+
     def _carry_locked(self, handle: Handle, users: PageUsers, member: bool) -> None:
-        """``handle`` opens an inode the kernel reads from a backing file (passthrough): while any
-        handle carrying it is open, every open of that inode must carry it too (the kernel
-        refuses any other, EIO). A member (``users``' version, read only) is read by the kernel
-        from it; any other handle (a writer, another version) reads and writes through the
-        daemon (direct I/O: the kernel then sends its reads here), but a map of it would show
-        the backing file's pages."""
+        """``handle``, a reader, opens an inode the kernel reads from a backing file
+        (passthrough): while any handle carrying it is open, every open of that inode must carry
+        it too (the kernel refuses any other, EIO). A member (``users``' version) is read by the
+        kernel from it; a reader of another version reads through the daemon (direct I/O: the
+        kernel then sends its reads here), but a map of it shows the backing file's pages."""
         assert users.backing is not None
         users.count += 1
         handle.backing_id = users.backing.id
@@ -796,10 +834,8 @@ class Filesystem:
             self.passthrough_opens += 1
             return
         handle.carries, handle.direct = users, True
-        self._kernel_versions[users.key] = None
-        if handle.staged is None:
-            log.info("%s: another version is open here through passthrough; this open reads the new "
-                     "version, but a map of it shows the older one until those handles close", users.key)
+        log.info("%s: another version is open here through passthrough; this open reads the new "
+                 "version, but a map of it shows the older one until those handles close", users.key)
 
     def _whole_version_locked(self, key: str, info: ObjectInfo) -> Backing | None:
         """``info``'s version, registered with the kernel for passthrough, if the chunk cache
@@ -872,13 +908,8 @@ class Filesystem:
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         keep = mode is not None and self.remote.stores_posix
         attrs = self._normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
-        staged = self._acquire_staged(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
-        handle = Handle(key=key, flags=flags, info=None, staged=staged)
-        with self._lock:  # made again under the name of a file read through passthrough here
-            users = self._page_users.get(key)
-            if users is not None and users.backing is not None:
-                self._carry_locked(handle, users, member=False)
-        return self._new_handle(handle)
+        staged = self._writer_staged(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
+        return self._new_handle(Handle(key=key, flags=flags, info=None, staged=staged))
 
     def _file_name_allowed(self, key: str) -> None:
         """Where links are ``NAME.rclonelink`` objects, a file of such a name would read back as

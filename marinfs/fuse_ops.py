@@ -61,12 +61,16 @@ class KernelBackings:
 
     def __init__(self, session_fd: int) -> None:
         self.session_fd = session_fd
+        self.closed = False  # the session is ending: its descriptor may be closed, its number reused
 
     def register(self, fd: int) -> int:
+        if self.closed:
+            raise OSError(errno.ENOTCONN, "the FUSE session is ending")
         return fcntl.ioctl(self.session_fd, FUSE_DEV_IOC_BACKING_OPEN, bytearray(struct.pack("=iIQ", fd, 0, 0)))
 
     def unregister(self, backing_id: int) -> None:
-        fcntl.ioctl(self.session_fd, FUSE_DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("=I", backing_id)))
+        if not self.closed:  # (else the kernel drops every id with the connection)
+            fcntl.ioctl(self.session_fd, FUSE_DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("=I", backing_id)))
 
 
 def _session_fd() -> int:
@@ -122,6 +126,7 @@ class FuseAdapter(fuse.Operations):
                  passthrough: bool = True) -> None:
         self.fs = fs
         self.passthrough = passthrough
+        self._backings: KernelBackings | None = None
         self.uid, self.gid = uid, gid
         self.file_mode, self.dir_mode = file_mode, dir_mode
         # Object stores have no directory times; one stable time for every directory keeps
@@ -230,7 +235,7 @@ class FuseAdapter(fuse.Operations):
         conn.want |= FUSE_CAP_PASSTHROUGH
         # The cache's filesystem may itself be stacked once (overlayfs: a container's disk).
         conn.max_backing_stack_depth = 1
-        self.fs.backings = KernelBackings(_session_fd())
+        self._backings = self.fs.backings = KernelBackings(_session_fd())
         log.info("passthrough: on; files the chunk cache holds whole are read by the kernel")
 
     # -- files ---------------------------------------------------------------------------------
@@ -355,6 +360,8 @@ class FuseAdapter(fuse.Operations):
         return 0
 
     def destroy(self, path: str) -> None:
+        if self._backings is not None:
+            self._backings.closed = True
         if self.on_destroy is not None:
             self.on_destroy()
         self.fs.close_all()

@@ -877,9 +877,10 @@ def passthrough_fs(remote: Remote, tmp_path: Path, backings: FakeBackings) -> Fi
 def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remote, tmp_path: Path) -> None:
     """Once the chunk cache holds every chunk of a version, an open of it is answered with a
     backing id: the kernel reads the version's data file (the whole object) by itself. The
-    handles of that version opened meanwhile share it; a writer and a reader of another version
-    beside them go around the page cache (the kernel allows no page-cache handle there); the
-    last release drops the backing and unpins the version."""
+    handles of that version opened meanwhile share it; a reader of a newer version carries it
+    too (the kernel takes one backing per inode, and every open must carry it) but reads
+    through the daemon (direct I/O), and keeps it until it closes; the last release drops the
+    backing and unpins the version."""
     data = os.urandom(200 << 10)  # 4 chunks, the last one short
     put(remote, "m", data)
     backings = FakeBackings()
@@ -897,16 +898,6 @@ def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remot
     assert backing_id > 0 and fs.passes_through(b) == backing_id
     assert backings.live == {backing_id: data}  # the file registered is the object
     assert not fs.bypasses_kernel_cache(a) and fs.fetcher.cache.pinned() == 1
-    # While the kernel reads the file from that backing, every open of it must carry it: a
-    # writer, and a reader beside a writer, carry it but go around it (direct I/O: their reads
-    # and writes reach the daemon).
-    w = fs.open("/m", os.O_WRONLY)
-    assert fs.bypasses_kernel_cache(w) and fs.passes_through(w) == backing_id
-    r = fs.open("/m", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(r) and fs.passes_through(r) == backing_id
-    assert fs.read(r, 10, 0) == data[:10]
-    fs.release(r)
-    fs.release(w)
     put(remote, "m", data + b"more")  # another node's new version
     fs.metadata.forget("m")
     n = fs.open("/m", os.O_RDONLY)  # (after the grace for a's and b's release)
@@ -943,4 +934,61 @@ def test_fs_a_kernel_that_refuses_backing_files_leaves_reads_to_the_daemon(remot
     assert fs.read(fh, len(data), 0) == data
     fs.release(fh)
     assert fs.backings is None and fs.fetcher.cache.pinned() == 0  # asked once, never again
+    fs.close()
+
+
+def test_fs_no_writer_opens_beside_passthrough_readers(remote: Remote, tmp_path: Path) -> None:
+    """Every open of a file the kernel reads from a backing must carry it, and a writer's
+    shared map would then write into the chunk cache: a writer (or a create of the name) waits
+    a moment for the readers to close, then fails with ETXTBSY; once they closed it writes, and
+    no backing is made while it is open. Found in review."""
+    data = os.urandom(100 << 10)
+    put(remote, "m", data)
+    fs = passthrough_fs(remote, tmp_path, FakeBackings())
+    fh = fs.open("/m", os.O_RDONLY)
+    assert fs.read(fh, len(data), 0) == data
+    fs.release(fh)
+    assert fs.fetcher.settle()
+    r = fs.open("/m", os.O_RDONLY)
+    assert fs.passes_through(r)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+        with raises_errno(errno.ETXTBSY):
+            fs.open("/m", flags)
+    with raises_errno(errno.ETXTBSY):
+        fs.create("/m", os.O_WRONLY | os.O_CREAT)
+    assert cat(remote, "m") == data and fs._staged == {}  # the refused O_TRUNC truncated nothing
+    fs.release(r)
+    w = fs.open("/m", os.O_WRONLY | os.O_TRUNC)
+    r2 = fs.open("/m", os.O_RDONLY)  # beside a writer: through the daemon, no backing
+    assert not fs.passes_through(r2)
+    fs.write(w, b"new", 0)
+    close(fs, w)
+    fs.release(r2)
+    assert cat(remote, "m") == b"new" and fs.fetcher.cache.pinned() == 0
+    fs.close()
+
+
+def test_fs_no_backing_while_a_reader_of_another_version_is_open(remote: Remote, tmp_path: Path) -> None:
+    """A reader of a newer version opened beside page-cache readers of the old one reads around
+    the page cache and belongs to no group: while it is open, no backing is made for the file
+    (it was opened without one: the kernel would refuse its maps, or the backing's opens).
+    Found in review."""
+    v1, v2 = os.urandom(200 << 10), os.urandom(150 << 10)
+    put(remote, "m", v1)
+    fs = passthrough_fs(remote, tmp_path, FakeBackings())
+    a = fs.open("/m", os.O_RDONLY)  # v1, not cached: the page cache
+    put(remote, "m", v2)
+    fs.metadata.forget("m")
+    b = fs.open("/m", os.O_RDONLY)  # v2 beside it: direct, in no group
+    assert fs.bypasses_kernel_cache(b) and not fs.passes_through(b)
+    assert fs.read(b, len(v2), 0) == v2 and fs.fetcher.settle()  # v2 is cached whole now
+    fs.release(a)
+    c = fs.open("/m", os.O_RDONLY)
+    assert not fs.passes_through(c) and fs.read(c, len(v2), 0) == v2
+    fs.release(b)
+    fs.release(c)
+    d = fs.open("/m", os.O_RDONLY)  # nothing else open: passed through
+    assert fs.passes_through(d)
+    fs.release(d)
+    assert fs.fetcher.cache.pinned() == 0
     fs.close()

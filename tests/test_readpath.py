@@ -365,6 +365,66 @@ def test_a_pinned_version_is_the_object_and_is_not_evicted(tmp_path: Path) -> No
     restarted.unpin(woid)
 
 
+def test_chunks_cut_with_two_chunk_sizes_never_punch_each_other(tmp_path: Path) -> None:
+    """A restart with another chunk size: chunk N stands for other bytes, and the new chunks
+    overlap the old ones in the version's data file, so dropping or evicting an old one must
+    not punch the new one's bytes out (they were read back as zeros, unchecked). Found in review."""
+    data = os.urandom(256 * KiB)
+    small, big = 64 * KiB, 128 * KiB
+
+    def at(i: int, size: int) -> ChunkKey:
+        return ChunkKey("s3://b/x", "v", i, start=i * size)
+
+    cache = ChunkCache(tmp_path, 4 * MiB, chunk_size=small)
+    for i in range(4):
+        assert cache.put(at(i, small), data[i * small:(i + 1) * small])
+    cache.close()
+    cache = ChunkCache(tmp_path, 4 * MiB, chunk_size=big)
+    assert cache.read(at(1, big), 0, big) is None  # the 64 KiB chunk 1 is other bytes: dropped
+    assert cache.put(at(1, big), data[big:])  # over the old chunks 2 and 3
+    assert cache.read(at(2, big), 0, 1) is None  # drops the old chunk 2, under the new chunk 1
+    assert cache.read(at(1, big), 0, big) == data[big:]
+    for i in range(8):  # the rest of the old ones evicted
+        assert cache.put(ChunkKey("s3://b/y", "v", i, start=i * big), b"y" * big)
+    assert cache.read(at(1, big), 0, big) in (data[big:], None)  # evicted whole, or whole
+    cache.check_invariants()
+    cache.close()
+    restarted = ChunkCache(tmp_path, 4 * MiB, chunk_size=big)  # a data file of both sizes: never punched
+    assert restarted.read(at(1, big), 0, big) in (data[big:], None)
+
+
+def test_a_data_file_handed_to_the_kernel_is_never_punched(tmp_path: Path) -> None:
+    """A map made through passthrough reads the data file itself after every handle closed
+    (the kernel's map holds the backing file, not the FUSE file): once unpinned, its chunks
+    leave the cache together and the file is unlinked, never punched under the map; the next
+    write of that version is a new file. Found in review."""
+    import mmap
+
+    chunk = 64 * KiB
+    data = os.urandom(2 * chunk)
+    cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
+    for i in range(2):
+        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    oid = key(0).object_id
+    fd = cache.pin(oid, 2, len(data))
+    assert fd is not None
+    m = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+    try:
+        os.close(fd)
+        cache.unpin(oid)  # the file closed, its map kept (torch.load(mmap=True) does this)
+        for i in range(2):  # other reads evict the version
+            assert cache.put(key(i, "other"), b"y" * chunk)
+            cache.check_invariants()
+        assert m[:] == data
+        assert not cache.contains(key(0)) and not cache.contains(key(1))
+        assert not (tmp_path / "data" / oid[:2] / oid).exists()  # unlinked; the map keeps its blocks
+        assert cache.put(key(1), data[chunk:]) and cache.read(key(1), 0, chunk) == data[chunk:]
+        assert m[:] == data
+    finally:
+        m.close()
+    cache.check_invariants()
+
+
 def test_a_restart_frees_bytes_no_record_stands_for(tmp_path: Path) -> None:
     """A crash between a chunk's bytes and its record leaves blocks the index does not count:
     the next start punches them out; a data file no record names goes, and a record whose
