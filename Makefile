@@ -123,7 +123,7 @@ bench-peers: system-deps peer-deps venv $(VENV)/.bench-installed
 PREFIX ?= /usr/local
 SYSTEMD_DIR ?= /etc/systemd/system
 SBIN_DIR ?= /sbin
-install: system-deps libfuse
+install: system-deps $(if $(DESTDIR),,libfuse)
 	$(PYTHON) -m venv $(DESTDIR)$(PREFIX)/lib/marinfs/venv
 	$(DESTDIR)$(PREFIX)/lib/marinfs/venv/bin/pip install -q .
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)$(SBIN_DIR) $(DESTDIR)/etc/marinfs
