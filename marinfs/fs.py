@@ -747,6 +747,10 @@ class Filesystem:
         with self._lock:
             users = self._page_users.get(key)
             tracked = not writable and info.version is not None
+            # O_DIRECT: the kernel would open the backing file with it, and the cache's disk
+            # then refuses unaligned reads (EINVAL) that FUSE serves: such opens read through
+            # the daemon, and never make a backing.
+            direct_open = bool(flags & getattr(os, "O_DIRECT", 0))
             if tracked and users is not None and users.version != info.version:
                 # close(2) does not wait for the daemon's release: a reader of the old version
                 # that has just closed (a server reloading its model) is let go first.
@@ -757,13 +761,14 @@ class Filesystem:
                         break
                     self._released.wait(left)
                     users = self._page_users.get(key)
-            if tracked and users is None and key not in self._staged and not self._bystanders_locked(key):
+            if (tracked and not direct_open and users is None and key not in self._staged
+                    and not self._bystanders_locked(key)):
                 backing = self._whole_version_locked(key, info)
                 if backing is not None:  # (a version cached whole: see below)
                     users = self._page_users[key] = PageUsers(key, info.version, backing=backing)
             if users is not None and users.backing is not None:  # (never a writer: _writer_staged)
                 self._carry_locked(handle, users, member=tracked and users.version == info.version
-                                   and key not in self._staged)
+                                   and key not in self._staged and not direct_open)
             elif tracked and users is not None and users.version != info.version:
                 # The kernel keeps one page cache per file, shared by every handle: readers of
                 # another version are filling it. This one reads around it, so neither side
@@ -824,8 +829,9 @@ class Filesystem:
         """``handle``, a reader, opens an inode the kernel reads from a backing file
         (passthrough): while any handle carrying it is open, every open of that inode must carry
         it too (the kernel refuses any other, EIO). A member (``users``' version) is read by the
-        kernel from it; a reader of another version reads through the daemon (direct I/O: the
-        kernel then sends its reads here), but a map of it shows the backing file's pages."""
+        kernel from it; a reader of another version (or an O_DIRECT one) reads through the
+        daemon (direct I/O: the kernel then sends its reads here), but a map of it shows the
+        backing file's pages."""
         assert users.backing is not None
         users.count += 1
         handle.backing_id = users.backing.id
@@ -834,8 +840,9 @@ class Filesystem:
             self.passthrough_opens += 1
             return
         handle.carries, handle.direct = users, True
-        log.info("%s: another version is open here through passthrough; this open reads the new "
-                 "version, but a map of it shows the older one until those handles close", users.key)
+        if handle.info is not None and handle.info.version != users.version:
+            log.info("%s: another version is open here through passthrough; this open reads the new "
+                     "version, but a map of it shows the older one until those handles close", users.key)
 
     def _whole_version_locked(self, key: str, info: ObjectInfo) -> Backing | None:
         """``info``'s version, registered with the kernel for passthrough, if the chunk cache

@@ -330,6 +330,10 @@ def test_a_file_cached_whole_is_read_by_the_kernel_itself(remote: Remote, tmp_pa
         assert out.stdout.strip() == hashlib.sha256(b"".join(data[p * 4096:(p + 1) * 4096]
                                                              for p in pages_of(len(data)))).hexdigest()
         assert (cache.stats.hits, cache.stats.misses, gets(core)) == before  # no read reached the daemon
+        # O_DIRECT beside it, unaligned: read through the daemon (the backing would refuse it)
+        direct = subprocess.run(["dd", f"if={path}", "iflag=direct", "bs=7777", "status=none"],
+                                capture_output=True, timeout=120)
+        assert direct.returncode == 0 and direct.stdout == data, direct.stderr
 
         holder = subprocess.Popen([sys.executable, "-c", HOLD_OPEN, str(path)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)

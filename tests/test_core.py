@@ -992,3 +992,29 @@ def test_fs_no_backing_while_a_reader_of_another_version_is_open(remote: Remote,
     fs.release(d)
     assert fs.fetcher.cache.pinned() == 0
     fs.close()
+
+
+def test_fs_o_direct_opens_read_through_the_daemon_beside_passthrough(remote: Remote, tmp_path: Path) -> None:
+    """The kernel opens the backing file with the FUSE file's flags: with O_DIRECT, the cache's
+    disk then refuses the unaligned reads FUSE serves (EINVAL; found testing a real mount). An
+    O_DIRECT open makes no backing, and beside one carries it around it, through the daemon."""
+    data = os.urandom(100 << 10)
+    put(remote, "m", data)
+    fs = passthrough_fs(remote, tmp_path, FakeBackings())
+    fh = fs.open("/m", os.O_RDONLY)
+    assert fs.read(fh, len(data), 0) == data
+    fs.release(fh)
+    assert fs.fetcher.settle()
+    d = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
+    assert not fs.passes_through(d) and fs.fetcher.cache.pinned() == 0
+    fs.release(d)
+    r = fs.open("/m", os.O_RDONLY)
+    d = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
+    assert fs.passes_through(r) and fs.passes_through(d) == fs.passes_through(r)
+    assert fs.bypasses_kernel_cache(d) and not fs.bypasses_kernel_cache(r)
+    assert fs.read(d, 7777, 3) == data[3:7780]
+    assert fs.stats()["passthrough"]["opens"] == 1  # d only carries it
+    fs.release(d)
+    fs.release(r)
+    assert fs.fetcher.cache.pinned() == 0
+    fs.close()
