@@ -26,14 +26,15 @@ LIBFUSE_BUILD := build/libfuse
 
 libfuse:
 	@if /sbin/ldconfig -p | grep -q 'libfuse3\.so\.[4-9] '; then exit 0; fi; \
-	set -e; rm -rf $(LIBFUSE_BUILD); mkdir -p $(LIBFUSE_BUILD); cd $(LIBFUSE_BUILD); \
 	echo "building libfuse $(LIBFUSE_VERSION) into /usr/local (passthrough)"; \
-	$(PYTHON) -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], "src.tar.gz")' $(LIBFUSE_URL); \
-	echo "$(LIBFUSE_SHA256)  src.tar.gz" | sha256sum -c --quiet; \
-	tar xzf src.tar.gz; $(PYTHON) -m venv tools; tools/bin/pip install -q meson ninja; \
-	export PATH="$$PWD/tools/bin:$$PATH"; cd fuse-$(LIBFUSE_VERSION); \
-	meson setup build --prefix=/usr/local -Dexamples=false -Dutils=false -Dtests=false -Ddisable-mtab=true >/dev/null; \
-	ninja -C build >/dev/null; $(SUDO) env PATH="$$PATH" ninja -C build install >/dev/null; $(SUDO) /sbin/ldconfig
+	rm -rf $(LIBFUSE_BUILD) && mkdir -p $(LIBFUSE_BUILD) && cd $(LIBFUSE_BUILD) && \
+	$(PYTHON) -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], "src.tar.gz")' $(LIBFUSE_URL) && \
+	echo "$(LIBFUSE_SHA256)  src.tar.gz" | sha256sum -c --quiet && \
+	tar xzf src.tar.gz && $(PYTHON) -m venv tools && tools/bin/pip install -q meson ninja && \
+	export PATH="$$PWD/tools/bin:$$PATH" && cd fuse-$(LIBFUSE_VERSION) && \
+	meson setup build --prefix=/usr/local -Dexamples=false -Dutils=false -Dtests=false -Ddisable-mtab=true >/dev/null && \
+	ninja -C build >/dev/null && $(SUDO) env PATH="$$PATH" ninja -C build install >/dev/null && $(SUDO) /sbin/ldconfig || \
+	echo "marinfs: WARNING: could not build libfuse $(LIBFUSE_VERSION) (see above); marinfs runs on the system's libfuse, without passthrough" >&2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -183,3 +183,18 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
 def fsspec_client(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
     return fs, root.rstrip("/")
+
+
+def remote_find(fs: Any, path: str, **kwargs: Any) -> Any:
+    """``fs.find`` as another client sees it. fsspec's memory store is one dict shared by
+    every instance, and its find iterates it while a mount's own threads (the directory
+    record's flusher) write to it: "dictionary changed size during iteration" now and then,
+    which says nothing of what is stored. Asked again then."""
+    for attempt in range(10):
+        try:
+            return fs.find(path, **kwargs)
+        except RuntimeError:
+            if attempt == 9:
+                raise
+            time.sleep(0.02)
+    raise AssertionError("unreachable")

