@@ -874,6 +874,19 @@ def passthrough_fs(remote: Remote, tmp_path: Path, backings: FakeBackings) -> Fi
     return fs
 
 
+def whole_in_cache(remote: Remote, tmp_path: Path, data: bytes,
+                   backings: FakeBackings | None = None) -> Filesystem:
+    """A passthrough filesystem whose chunk cache holds object "m" (``data``) whole: read
+    once through it, its chunks on disk."""
+    put(remote, "m", data)
+    fs = passthrough_fs(remote, tmp_path, backings or FakeBackings())
+    fh = fs.open("/m", os.O_RDONLY)
+    assert fs.read(fh, len(data), 0) == data
+    fs.release(fh)
+    assert fs.fetcher.settle()
+    return fs
+
+
 def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remote, tmp_path: Path) -> None:
     """Once the chunk cache holds every chunk of a version, an open of it is answered with a
     backing id: the kernel reads the version's data file (the whole object) by itself. The
@@ -923,12 +936,7 @@ def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remot
 
 def test_fs_a_kernel_that_refuses_backing_files_leaves_reads_to_the_daemon(remote: Remote, tmp_path: Path) -> None:
     data = os.urandom(100 << 10)
-    put(remote, "m", data)
-    fs = passthrough_fs(remote, tmp_path, FakeBackings(refuse=True))
-    fh = fs.open("/m", os.O_RDONLY)
-    assert fs.read(fh, len(data), 0) == data
-    fs.release(fh)
-    assert fs.fetcher.settle()
+    fs = whole_in_cache(remote, tmp_path, data, FakeBackings(refuse=True))
     fh = fs.open("/m", os.O_RDONLY)
     assert not fs.passes_through(fh) and not fs.bypasses_kernel_cache(fh)
     assert fs.read(fh, len(data), 0) == data
@@ -943,12 +951,7 @@ def test_fs_no_writer_opens_beside_passthrough_readers(remote: Remote, tmp_path:
     a moment for the readers to close, then fails with ETXTBSY; once they closed it writes, and
     no backing is made while it is open. Found in review."""
     data = os.urandom(100 << 10)
-    put(remote, "m", data)
-    fs = passthrough_fs(remote, tmp_path, FakeBackings())
-    fh = fs.open("/m", os.O_RDONLY)
-    assert fs.read(fh, len(data), 0) == data
-    fs.release(fh)
-    assert fs.fetcher.settle()
+    fs = whole_in_cache(remote, tmp_path, data)
     r = fs.open("/m", os.O_RDONLY)
     assert fs.passes_through(r)
     for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
@@ -999,12 +1002,7 @@ def test_fs_o_direct_opens_read_through_the_daemon_beside_passthrough(remote: Re
     disk then refuses the unaligned reads FUSE serves (EINVAL; found testing a real mount). An
     O_DIRECT open makes no backing, and beside one carries it around it, through the daemon."""
     data = os.urandom(100 << 10)
-    put(remote, "m", data)
-    fs = passthrough_fs(remote, tmp_path, FakeBackings())
-    fh = fs.open("/m", os.O_RDONLY)
-    assert fs.read(fh, len(data), 0) == data
-    fs.release(fh)
-    assert fs.fetcher.settle()
+    fs = whole_in_cache(remote, tmp_path, data)
     d = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
     assert not fs.passes_through(d) and fs.fetcher.cache.pinned() == 0
     fs.release(d)
