@@ -29,6 +29,7 @@ read is using them, and the same chunk is not written again until then.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -591,7 +592,11 @@ class ChunkCache:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("cannot cache chunk %s of %s: %s", key.index, path, exc)
-            self._free_region(path, offset, size)  # it may hold part of the chunk, which nothing records
+            with self._lock:  # (a file a map may read, or of two chunk sizes: its bytes stay)
+                punch = path not in self._unpunched
+            if punch:  # it may hold part of the chunk, which nothing records
+                with contextlib.suppress(OSError):  # (else the next start frees it)
+                    self._punch_region(path, offset, size)
         with self._lock:
             self._writing.discard(ikey)
             self._reserved -= size
@@ -602,18 +607,6 @@ class ChunkCache:
             self.used -= size
             self._release_file_locked(path)
         return False
-
-    def _free_region(self, path: Path, offset: int, size: int) -> None:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            return
-        try:
-            _punch_hole(fd, offset, size)
-        except OSError:
-            pass  # the next start frees what no marker records
-        finally:
-            os.close(fd)
 
     def _write(self, fd: int, data: Buffer, c: bool, direct: bool, offset: int = 0) -> int:
         """All of ``data`` to ``fd`` at ``offset``: the block-aligned bulk with O_DIRECT (from an

@@ -425,6 +425,43 @@ def test_a_data_file_handed_to_the_kernel_is_never_punched(tmp_path: Path) -> No
     cache.check_invariants()
 
 
+def test_a_failed_write_into_a_handed_out_file_punches_nothing(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data file once handed to the kernel may be mapped: a chunk written into it again that
+    fails midway leaves the bytes where they are (a punch would zero them under the map)."""
+    import mmap
+
+    chunk = 64 * KiB
+    data = os.urandom(2 * chunk)
+    cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
+    for i in range(2):
+        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    oid = key(0).object_id
+    fd = cache.pin(oid, 2, len(data))
+    assert fd is not None
+    m = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+    try:
+        os.close(fd)
+        cache.unpin(oid)
+        entry, _, _ = cache._used_entry(key(1))  # a read in flight keeps the file linked
+        for i in range(2):
+            assert cache.put(key(i, "other"), b"y" * chunk)  # the version leaves, whole
+        assert not cache.contains(key(0))
+
+        def no_space(fd: int, data: object, offset: int) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("marinfs.chunkcache.os.pwrite", no_space)
+        cache.put(key(0, "other"), b"z")  # (evicts the other version's chunk 0 to make room)
+        assert not cache.put(key(0), data[:chunk])  # into the same, still linked file: fails
+        monkeypatch.undo()
+        assert m[:] == data
+        cache._done((oid, 1), entry, None)
+    finally:
+        m.close()
+    cache.check_invariants()
+
+
 def test_a_restart_frees_bytes_no_record_stands_for(tmp_path: Path) -> None:
     """A crash between a chunk's bytes and its record leaves blocks the index does not count:
     the next start punches them out; a data file no record names goes, and a record whose
