@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -393,14 +394,12 @@ def test_chunks_cut_with_two_chunk_sizes_never_punch_each_other(tmp_path: Path) 
     assert restarted.read(at(1, big), 0, big) in (data[big:], None)
 
 
-def test_a_data_file_handed_to_the_kernel_is_never_punched(tmp_path: Path) -> None:
-    """A map made through passthrough reads the data file itself after every handle closed
-    (the kernel's map holds the backing file, not the FUSE file): once unpinned, its chunks
-    leave the cache together and the file is unlinked, never punched under the map; the next
-    write of that version is a new file. Found in review."""
+def _mapped_then_closed(tmp_path: Path, chunk: int) -> tuple[ChunkCache, bytes, Any]:
+    """A cache of room for 3 chunks holding a 2-chunk version whole, pinned, mapped as
+    passthrough would map it, then its file closed and unpinned: the map is all that is left
+    (torch.load(mmap=True) does this)."""
     import mmap
 
-    chunk = 64 * KiB
     data = os.urandom(2 * chunk)
     cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
     for i in range(2):
@@ -409,9 +408,20 @@ def test_a_data_file_handed_to_the_kernel_is_never_punched(tmp_path: Path) -> No
     fd = cache.pin(oid, 2, len(data))
     assert fd is not None
     m = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+    os.close(fd)
+    cache.unpin(oid)
+    return cache, data, m
+
+
+def test_a_data_file_handed_to_the_kernel_is_never_punched(tmp_path: Path) -> None:
+    """A map made through passthrough reads the data file itself after every handle closed
+    (the kernel's map holds the backing file, not the FUSE file): once unpinned, its chunks
+    leave the cache together and the file is unlinked, never punched under the map; the next
+    write of that version is a new file. Found in review."""
+    chunk = 64 * KiB
+    cache, data, m = _mapped_then_closed(tmp_path, chunk)
+    oid = key(0).object_id
     try:
-        os.close(fd)
-        cache.unpin(oid)  # the file closed, its map kept (torch.load(mmap=True) does this)
         for i in range(2):  # other reads evict the version
             assert cache.put(key(i, "other"), b"y" * chunk)
             cache.check_invariants()
@@ -429,20 +439,10 @@ def test_a_failed_write_into_a_handed_out_file_punches_nothing(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A data file once handed to the kernel may be mapped: a chunk written into it again that
     fails midway leaves the bytes where they are (a punch would zero them under the map)."""
-    import mmap
-
     chunk = 64 * KiB
-    data = os.urandom(2 * chunk)
-    cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
-    for i in range(2):
-        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    cache, data, m = _mapped_then_closed(tmp_path, chunk)
     oid = key(0).object_id
-    fd = cache.pin(oid, 2, len(data))
-    assert fd is not None
-    m = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
     try:
-        os.close(fd)
-        cache.unpin(oid)
         entry, _, _ = cache._used_entry(key(1))  # a read in flight keeps the file linked
         for i in range(2):
             assert cache.put(key(i, "other"), b"y" * chunk)  # the version leaves, whole
