@@ -6,11 +6,12 @@ a version cached whole is an ordinary file holding the object (what FUSE passthr
 fs.py). Each chunk is recorded by an empty file named for it and the data's checksum,
 ``chunks/ab/<objhash>-<index>-c<crc32c>+<offset>+<size>`` (CRC-32C, hardware-accelerated: a
 quarter of the CPU of zlib's CRC-32 here), made only once its bytes are written, so a crash or a
-full disk never leaves a chunk that looks present. Chunks of older daemons, a file each, named
-``<objhash>-<index>-c<crc32c>`` or ``<objhash>-<index>-<crc32>`` (zlib CRC-32, always 8 hex
-digits), are still read and verified as such: the name says which checksum it holds, so a cache
-directory from an older daemon keeps working and is never misread. A new version of an object
-has a new hash, so it can never be served old bytes.
+full disk never leaves a chunk that looks present. A record's name says which checksum it holds
+(zlib CRC-32 where google-crc32c is missing: 8 hex digits, no "c"). Chunks of older daemons, a
+file each (``<objhash>-<index>-<crc>``, no ``+``), do not say the chunk size they were cut with,
+so after a ``--chunk-size`` change they would stand for other bytes: they are dropped at start
+and fetched again, never misread. A new version of an object has a new hash, so it can never be
+served old bytes.
 
 Chunks are written with O_DIRECT where the filesystem allows it. Buffered writes of a cold
 read's 1 GiB dirty the page cache faster than writeback drains it, and the kernel then throttles
