@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import logging
 import threading
@@ -166,6 +167,7 @@ class _Record:
 
     version: ObjectVersion | None
     entries: dict[str, Entry]
+    written: int = 0  # when this node's own PUT made it (a tick; 0: read): a GET or LIST sent before may answer older
 
 
 def _valid(entry: Entry | None, version: ObjectVersion | str | None, is_dir: bool) -> PosixAttrs | None:
@@ -206,6 +208,7 @@ class DirRecords:
         self._forced = 0  # flush() requests a round has answered
         self._forced_ok = True  # whether that round wrote everything
         self._reading: dict[str, Future[_Record]] = {}  # dir -> the record GET prefetch() started
+        self._ticks = itertools.count(1)  # orders GETs sent and PUTs done (taken under the lock)
 
     # -- reads ---------------------------------------------------------------------------------
     def apply(self, dir_key: str, children: list[ObjectInfo], files: bool = True) -> list[ObjectInfo]:
@@ -220,15 +223,24 @@ class DirRecords:
         rkey = record_key(dir_key)
         listed = next((c for c in children if c.name == rkey and not c.is_dir), None)
         rest = [c for c in children if c is not listed]
+        # Our changes first, the record then: a change no longer in the overlay was written
+        # before, so the record found next holds it. (The other order lost a change whose PUT
+        # landed between the two: an old record and an overlay already emptied.)
+        with self._lock:
+            overlay = self._overlay_locked(dir_key)
         record: _Record | None
         if listed is None:
             record = _Record(ABSENT, {})
             with self._lock:
-                self._remember_locked(dir_key, record)
+                cached = self._records.get(dir_key)
+                if cached is not None and cached.written:
+                    # A LIST sent before our PUT made the record: ours stands (once; a second
+                    # listing without it means another node removed it).
+                    record = self._records[dir_key] = replace(cached, written=0)
+                else:
+                    self._remember_locked(dir_key, record)
         else:
             record = self._current(dir_key, listed.version)
-        with self._lock:
-            overlay = self._overlay_locked(dir_key)
         out = []
         for child in rest:
             if not files and not child.is_dir:
@@ -284,12 +296,17 @@ class DirRecords:
     def _read(self, dir_key: str) -> _Record:
         """One GET of the record (absent: an empty record at ABSENT), cached."""
         rkey = record_key(dir_key)
+        with self._lock:
+            sent = next(self._ticks)
         try:
             data, version = self.store.read_small(rkey)
             record = _Record(version, decode(data, rkey))
         except FileNotFoundError:
             record = _Record(ABSENT, {})
         with self._lock:
+            now = self._records.get(dir_key)
+            if now is not None and now.written > sent:
+                return now  # our PUT landed while the GET travelled: it may have read older bytes
             self._remember_locked(dir_key, record)
         return record
 
@@ -597,7 +614,7 @@ class DirRecords:
                 record = self._read(dir_key)  # another node wrote it: their entries, ours on top
                 continue
             with self._lock:
-                self._remember_locked(dir_key, _Record(version, merged))
+                self._remember_locked(dir_key, _Record(version, merged, written=next(self._ticks)))
             return True
         log.warning("directory record of %r changed under %d attempts to write it", dir_key, PUT_ATTEMPTS)
         return False

@@ -267,6 +267,83 @@ def test_own_changes_show_before_they_are_written(store: FakeStore, records: Dir
     assert store.counts["get"] == 0  # the record we wrote is the one listed
 
 
+class FlushBetween(DirRecords):
+    """Its flusher's PUT lands right after a listing found its record: the moment the flusher
+    thread hits now and then when ``ls`` and a flush overlap (a CI flake of ``rsync -a``)."""
+
+    def _current(self, dir_key: str, listed: ObjectVersion | None):  # type: ignore[no-untyped-def]
+        record = super()._current(dir_key, listed)
+        assert self.flush(5)
+        return record
+
+
+def test_a_put_landing_while_a_listing_is_applied_loses_nothing(store: FakeStore) -> None:
+    records = FlushBetween(store, flush_delay=3600)
+    try:
+        store.raw_put("d/" + RECORD_NAME, encode({"b": ("g2", MODE)}))
+        assert by_name(records.apply("d", files("d", store, a=1, b=2))) == {"a": NO_ATTRS, "b": MODE}
+        records.set("d", "a", v(1), FULL)
+        listing = files("d", store, a=1, b=2)  # listed before the PUT: the old record's version
+        assert by_name(records.apply("d", listing)) == {"a": FULL, "b": MODE}
+        assert store.counts["put"] == 1 and records.cached("d", "a", v(1)) == FULL
+    finally:
+        records.close(timeout=5)
+
+
+class HeldGet(FakeStore):
+    """Its first GET reads the record at once and answers when released: a PUT may land
+    between the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began, self.go, self.held = threading.Event(), threading.Event(), False
+
+    def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
+        answer = super().read_small(key)
+        if not self.held:
+            self.held = True
+            self.began.set()
+            assert self.go.wait(10)
+        return answer
+
+
+def test_a_get_sent_before_our_put_does_not_bring_the_older_record_back() -> None:
+    store = HeldGet()
+    records = DirRecords(store, flush_delay=3600)
+    try:
+        store.raw_put("d/" + RECORD_NAME, encode({"b": ("g2", MODE)}))  # another node's record
+        records.prefetch("d", store.version("d/" + RECORD_NAME))  # our listing saw it: one GET
+        assert store.began.wait(5)
+        records.set("d", "a", v(1), FULL)
+        assert records.flush(5)  # expected ABSENT (never read): 412, a GET, the merged PUT
+        store.go.set()
+        deadline = time.monotonic() + 5
+        while records._reading and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert records.cached("d", "a", v(1)) == FULL and records.cached("d", "b", v(2)) == MODE
+        listing = files("d", store, a=1, b=2)
+        gets = store.counts["get"]
+        assert by_name(records.apply("d", listing)) == {"a": FULL, "b": MODE}
+        assert store.counts["get"] == gets  # the record we wrote is the one listed
+    finally:
+        store.go.set()
+        records.close(timeout=5)
+
+
+def test_a_list_sent_before_our_put_made_the_record_keeps_it(store: FakeStore, records: DirRecords) -> None:
+    listing = files("d", store, a=1)  # no record yet
+    records.set("d", "a", v(1), FULL)
+    assert records.flush(5)
+    assert by_name(records.apply("d", listing)) == {"a": FULL}
+    assert records.cached("d", "a", v(1)) == FULL
+    records.set("d", "a", v(1), MODE)
+    assert records.flush(5)
+    assert store.counts["put"] == 2 and store.counts["412"] == 0  # it still knew its version
+    del store.objects["d/" + RECORD_NAME]  # another node removed it: a second listing says so
+    assert by_name(records.apply("d", files("d", store, a=1))) == {"a": MODE}
+    assert by_name(records.apply("d", files("d", store, a=1))) == {"a": NO_ATTRS}
+
+
 def test_many_changes_in_one_window_are_one_put(store: FakeStore) -> None:
     records = DirRecords(store, flush_delay=0.1)
     try:
