@@ -97,6 +97,9 @@ class Handle:
     carries: PageUsers | None = None
     orphan: bool = False  # its name was unlinked or renamed here: it never moves to the name's new object
     served: bool = False  # bytes of info's version were returned: it may not change any more
+    # The kernel may hold another version's size for the file: it is to drop the attributes it
+    # has before this handle's first read (the FUSE layer asks it at open).
+    stale_kernel_attrs: bool = False
 
     @property
     def append(self) -> bool:
@@ -111,8 +114,10 @@ class PageUsers:
 
     key: str
     version: ObjectVersion
+    info: ObjectInfo  # that version's stat: what the kernel is told of the file while they read
     count: int = 0
     filled: bool = False  # one of them served bytes: the page cache may hold this version's
+    written: bool = False  # a writer here opened the file meanwhile: its pages are the writes'
     # The version's data file in the chunk cache, registered with the kernel: every handle of
     # these reads it by itself (FUSE passthrough), none through the daemon or the page cache.
     backing: Backing | None = None
@@ -198,6 +203,9 @@ class Filesystem:
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
+        # The (size, mtime) each file's stat last told the kernel (kernel_info): an open whose
+        # version has others makes the kernel ask again before it reads (Handle.stale_kernel_attrs).
+        self._told: LRUCache[str, tuple[int, int]] = LRUCache(maxsize=65536)
         # The open read handles using the kernel's page cache of each key (one version each).
         self._page_users: dict[str, PageUsers] = {}
         self._writers_opening: dict[str, int] = {}  # key -> writers between their check and staging (_writer_staged)
@@ -284,7 +292,8 @@ class Filesystem:
             raise FsError(errno.EROFS)
 
     def getattr(self, path: str) -> ObjectInfo:
-        return self._present(self.lookup(key_of(path)))
+        key = key_of(path)
+        return self.kernel_info(key, self._present(self.lookup(key)))
 
     def getattr_cached(self, key: str) -> ObjectInfo | None:
         """What getattr() would answer for ``key`` right now without a request, or None.
@@ -292,7 +301,40 @@ class Filesystem:
         (``--list-ttl`` above ``--metadata-ttl``) or a file this node is writing must not
         give the kernel attributes that getattr would not."""
         info = self._known(key)
-        return None if info is None else self._present(info)
+        return None if info is None else self.kernel_info(key, self._present(info))
+
+    def fgetattr(self, fh: int) -> ObjectInfo:
+        """fstat(2) of an open file: the version it reads (its own, as on a local disk), unless
+        another version is read through the page cache here (kernel_info)."""
+        handle = self._handle(fh)
+        info = self.handle_info(fh)
+        # (A writer's is its staged file's; one whose name went here is of an inode no longer
+        # under that name.)
+        return info if handle.staged is not None or handle.orphan else self.kernel_info(handle.key, info)
+
+    def kernel_info(self, key: str, info: ObjectInfo) -> ObjectInfo:
+        """What the kernel is told of file ``key``: ``info``, but while readers here read a version
+        through the kernel's page cache, that version's stat. The kernel keeps one size per file
+        and stops those reads at it: another version's size would cut them short, or have the
+        kernel fill them with zeros up to it (and a map fault past it, SIGBUS). Handles of the
+        other version read around the page cache (direct I/O), to their own end."""
+        if info.is_dir or info.link:
+            return info
+        with self._lock:
+            users = self._page_users.get(key)
+            if (users is not None and not users.written and users.version != info.version
+                    and key not in self._staged):
+                info = replace(users.info, name=info.name)
+            self._told[key] = (info.size, info.mtime_ns)
+        return info
+
+    def kernel_attrs_stale(self, fh: int) -> bool:
+        """Whether the kernel is to drop the attributes it holds for this file before it reads
+        it through this handle (it holds another version's size: it would stop this one's reads
+        there, or fill them with zeros up to it). Answered once per handle."""
+        handle = self._handle(fh)
+        stale, handle.stale_kernel_attrs = handle.stale_kernel_attrs, False
+        return stale
 
     def readdir(self, path: str) -> list[ObjectInfo]:
         key = key_of(path)
@@ -592,6 +634,9 @@ class Filesystem:
         if info is not None and info.posix is not None and not info.posix.empty:
             attrs = replace(info.posix, mtime_ns=None)
         with self._lock:
+            users = self._page_users.get(key)
+            if users is not None:
+                users.written = True  # its readers read the writes (and so does the kernel's size)
             staged = self._staged.get(key)
             if staged is None:
                 base = dict(remote_url=self.remote.url, base_version=info.version if info else None,
@@ -765,7 +810,8 @@ class Filesystem:
                     and not self._bystanders_locked(key)):
                 backing = self._whole_version_locked(key, info)
                 if backing is not None:  # (a version cached whole: see below)
-                    users = self._page_users[key] = PageUsers(key, info.version, backing=backing)
+                    users = self._page_users[key] = PageUsers(key, info.version, info, backing=backing)
+                    handle.stale_kernel_attrs = self._told.get(key) != (info.size, info.mtime_ns)
             if users is not None and users.backing is not None:  # (never a writer: _writer_staged)
                 self._carry_locked(handle, users, member=tracked and users.version == info.version
                                    and key not in self._staged and not direct_open)
@@ -782,9 +828,11 @@ class Filesystem:
                 self._kernel_versions[key] = None if writable else info.version
                 if tracked:
                     if users is None:
-                        users = self._page_users[key] = PageUsers(key, info.version)
+                        users = self._page_users[key] = PageUsers(key, info.version, info,
+                                                                  written=key in self._staged)
                     users.count += 1
                     handle.page_users = users
+                    handle.stale_kernel_attrs = self._told.get(key) != (info.size, info.mtime_ns)
         return self._new_handle(handle)
 
     def _writer_staged(self, key: str, info: ObjectInfo | None, truncate: bool,
@@ -972,7 +1020,11 @@ class Filesystem:
                 if handle.served or not self._may_repin_locked(handle, opened):  # a read or a reader came meanwhile
                     raise
                 if handle.page_users is not None:  # the only reader of the page cache: it follows
-                    handle.page_users.version = info.version
+                    if info.size > handle.info.size:
+                        # The kernel holds the opened version's size and would stop reads there
+                        # (a shorter one's first short read makes it the size).
+                        raise
+                    handle.page_users.version, handle.page_users.info = info.version, info
                     self._kernel_versions[handle.page_users.key] = info.version
                 handle.info, handle.reader = info, None
             reader = self._reader(handle)

@@ -32,7 +32,7 @@ from marinfs.libfuse import pick_libfuse  # noqa: E402
 pick_libfuse()
 import mfusepy as fuse  # noqa: E402
 
-from marinfs.errors import RemoteError, errno_for  # noqa: E402
+from marinfs.errors import FsError, RemoteError, errno_for  # noqa: E402
 from marinfs.fs import Filesystem  # noqa: E402
 from marinfs.objects import ObjectInfo  # noqa: E402
 from marinfs.threadnames import set_os_name  # noqa: E402
@@ -81,6 +81,19 @@ def _session_fd() -> int:
     lib.fuse_session_fd.restype = ctypes.c_int
     lib.fuse_session_fd.argtypes = [ctypes.c_void_p]
     return lib.fuse_session_fd(lib.fuse_get_session(lib.fuse_get_context().contents.fuse))
+
+
+def _invalidate_path(path: str) -> None:
+    """Have the kernel drop the attributes and pages it holds of ``path``'s inode, so it asks
+    again (fuse_invalidate_path: FUSE_NOTIFY_INVAL_INODE). Only from an operation the kernel does
+    not wait on with the inode's locks held (not getattr, read, write, setattr, lookup)."""
+    lib = fuse._libfuse
+    if lib.fuse_invalidate_path.argtypes is None:
+        lib.fuse_invalidate_path.restype = ctypes.c_int
+        lib.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    code = lib.fuse_invalidate_path(lib.fuse_get_context().contents.fuse, os.fsencode(path))
+    if code:
+        log.debug("invalidating %s in the kernel: %s", path, os.strerror(-code))
 
 
 def _errors(method: F, op: str | None = None) -> F:
@@ -157,8 +170,14 @@ class FuseAdapter(fuse.Operations):
     # -- metadata ------------------------------------------------------------------------------
     @_errors
     def getattr(self, path: str | None, fh: Any = None) -> dict[str, int]:
-        if path is None:  # an unlinked file that is still open (hard_remove): only its handle
-            return self.attrs(self.fs.handle_info(fh.fh))
+        # With a handle (fstat, or the kernel refreshing a file it reads; only a file's): what
+        # that handle reads. Without a path: an unlinked file still open (hard_remove).
+        if fh is not None:
+            try:
+                return self.attrs(self.fs.fgetattr(fh.fh))
+            except FsError as exc:
+                if exc.errno != errno.EBADF or path is None:
+                    raise
         return self.attrs(self.fs.getattr(path))
 
     def opendir(self, path: str) -> int:
@@ -244,6 +263,10 @@ class FuseAdapter(fuse.Operations):
         fi.fh = self.fs.open(path, fi.flags)
         fi.keep_cache = self.fs.keeps_kernel_cache(fi.fh)
         self._how(fi)
+        if self.fs.kernel_attrs_stale(fi.fh):
+            # Before the reply, so before its first read: the kernel holds another version's size
+            # and would stop this one's reads there, or fill them with zeros up to it.
+            _invalidate_path(path)
         return 0
 
     @_errors

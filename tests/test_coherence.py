@@ -249,3 +249,90 @@ def test_a_file_made_again_under_an_open_name_is_mapped_as_usual(nodes: Nodes) -
             assert m[:] == b"new" * 4096
             m.close()
         assert os.pread(old.fileno(), 3, 9000) == b"old"  # the unlinked file, still open
+
+
+def test_a_reader_of_the_version_open_here_reads_it_to_its_end_whatever_stat_saw(nodes: Nodes) -> None:
+    """The kernel keeps one size per file and stops page-cache reads at it: a stat of a shorter
+    new version must not cut the readers of the longer one still open here (a model server
+    reading its old checkpoint while another node writes the next)."""
+    old, new = os.urandom(3 * MiB), os.urandom(1 * MiB + 123)
+    path = nodes.a / "shrinks"
+    nodes.c_put("shrinks", old)
+    eventually(lambda: exists(path))
+    h = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(h, 64 * 1024, 0) == old[:64 * 1024]
+        nodes.c_put("shrinks", new)
+
+        def new_open() -> bool:
+            with open(path, "rb") as f:  # reads around the page cache, to the new version's end
+                return f.read() == new
+
+        eventually(new_open)
+        os.stat(path)
+        rest = b"".join(os.pread(h, MiB, offset) for offset in range(64 * 1024, len(old), MiB))
+        assert rest == old[64 * 1024:]
+        assert os.stat(path).st_size == os.fstat(h).st_size == len(old)  # the version open here, while it is
+    finally:
+        os.close(h)
+    eventually(lambda: os.stat(path).st_size == len(new))  # theirs gone, the name's own
+
+
+def _version_bytes(n: int) -> bytes:
+    """Version ``n`` of a churned file: its number in every 8 bytes, one of 21 sizes."""
+    size = (1 + n % 3) * MiB + (n % 7) * 1000
+    return (n.to_bytes(8, "little") * (size // 8 + 1))[:size]
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("passthrough", ["--passthrough", "--no-passthrough"])
+def test_readers_of_a_file_replaced_twice_a_second_each_read_one_whole_version(tmp_path: Path, passthrough: str) -> None:
+    """Churn faster than the TTLs: another tool replaces a file every 0.5 s while four readers
+    open, fstat, read to the end and close it in a loop. Each read is one whole version, its
+    own size, as fstat says (or ESTALE: the local disk keeps no old version). The kernel keeps
+    one size per file, which such reads used to be cut at, or filled with zeros up to."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    target = remote / "f.bin"
+    target.write_bytes(_version_bytes(0))
+    stop = threading.Event()
+    bad: list[str] = []
+    counts = {"ok": 0, "estale": 0}
+
+    def writer() -> None:
+        n = 1
+        while not stop.wait(0.5):
+            (remote / ".next").write_bytes(_version_bytes(n))
+            os.rename(remote / ".next", target)
+            n += 1
+
+    def reader(path: Path) -> None:
+        while not stop.is_set():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                data = b"".join(iter(lambda: os.read(fd, 256 * 1024), b""))
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+                counts["estale"] += 1
+                continue
+            finally:
+                os.close(fd)
+            n = int.from_bytes(data[:8], "little")
+            if data != _version_bytes(n) or size != len(data):
+                bad.append(f"{len(data)} bytes starting as version {n} (its size {len(_version_bytes(n))}), fstat {size}")
+            else:
+                counts["ok"] += 1
+
+    with subprocess_mount(str(remote), tmp_path / "mnt", tmp_path / "cache", "--metadata-ttl", "1", passthrough):
+        threads = [threading.Thread(target=writer)] + [
+            threading.Thread(target=reader, args=(tmp_path / "mnt" / "f.bin",)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(6)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    print(counts, len(bad))
+    assert not bad, bad[:5]
+    assert counts["ok"] > 100

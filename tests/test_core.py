@@ -602,8 +602,8 @@ def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, r
     with pytest.raises(RemoteError):
         fs.read(fh, 10, 0)  # nothing was served...
     fs.fetcher.fetch = real_fetch
-    put(remote, "a", b"newer!")  # ...so a change now is picked up, not answered with ESTALE
-    assert fs.read(fh, 10, 0) == b"newer!"
+    put(remote, "a", b"new")  # ...so a change now is picked up, not answered with ESTALE
+    assert fs.read(fh, 10, 0) == b"new"
     fs.release(fh)
 
 
@@ -633,16 +633,16 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
     assert not fs.bypasses_kernel_cache(h4) and not fs.keeps_kernel_cache(h4)
     h5 = fs.open("/a", os.O_RDONLY)
     assert not fs.bypasses_kernel_cache(h5) and fs.keeps_kernel_cache(h5)
-    put(remote, "a", b"fourth")  # before either read: "third" is gone
+    put(remote, "a", b"4th")  # before either read: "third" is gone
     fs.metadata.forget("a")
-    # Neither served anything, but moving on to "fourth" could mix versions in the page cache:
+    # Neither served anything, but moving on to "4th" could mix versions in the page cache:
     # h5 kept its pages (keep_cache), and h4 shares it with h5.
     with raises_errno(errno.ESTALE):
         fs.read(h5, 10, 0)
     with raises_errno(errno.ESTALE):
         fs.read(h4, 10, 0)
     fs.release(h5)
-    assert fs.read(h4, 10, 0) == b"fourth"  # its open dropped the pages, and it reads alone
+    assert fs.read(h4, 10, 0) == b"4th"  # its open dropped the pages, and it reads alone
     h6 = fs.open("/a", os.O_RDONLY)
     assert fs.keeps_kernel_cache(h6) and not fs.bypasses_kernel_cache(h6)  # h4 moved the cache on
     w = fs.open("/a", os.O_WRONLY)  # a writer on this node: as before, it is not counted
@@ -686,6 +686,66 @@ def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs
     fs.release(h3)
     fs.release(joined[0])
     assert fs._page_users == {}
+
+
+def test_fs_the_kernel_is_told_the_size_of_the_version_its_page_cache_serves(fs: Filesystem, remote: Remote) -> None:
+    """One size per file in the kernel, which stops page-cache reads there: while a version is
+    read through it here, every stat answers that version; a handle of another one reads
+    around the page cache, to its own end."""
+    put(remote, "a", b"0123456789")
+    h1 = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h1, 4, 0) == b"0123"
+    put(remote, "a", b"short")
+    fs.metadata.forget("a")  # as after the TTL
+    assert fs.getattr("/a").size == 10 and fs.getattr_cached("a").size == 10  # (stat, readdirplus)
+    h2 = fs.open("/a", os.O_RDONLY)
+    assert fs.bypasses_kernel_cache(h2) and fs.read(h2, 10, 0) == b"short"
+    assert fs.fgetattr(h1).size == 10 and fs.fgetattr(h2).size == 10
+    assert fs.read(h1, 10, 4) == b"456789"
+    fs.release(h1)
+    assert fs.getattr("/a").size == 5 and fs.fgetattr(h2).size == 5  # theirs once they are gone
+    fs.release(h2)
+
+    h3 = fs.open("/a", os.O_RDONLY)
+    put(remote, "a", b"a new and longer one")
+    fs.metadata.forget("a")
+    w = fs.open("/a", os.O_WRONLY | os.O_APPEND)  # a writer here: its readers read what it writes
+    assert fs.getattr("/a").size == len(b"a new and longer one")
+    fs.release(w)
+    fs.release(h3)
+
+
+def test_fs_an_open_makes_the_kernel_drop_another_versions_size_before_it_reads(fs: Filesystem, remote: Remote) -> None:
+    put(remote, "a", b"0123456789")
+    assert fs.getattr("/a").size == 10  # what the kernel now holds
+    h1 = fs.open("/a", os.O_RDONLY)
+    assert not fs.kernel_attrs_stale(h1)
+    fs.release(h1)
+    put(remote, "a", b"a longer version")
+    fs.metadata.forget("a")  # the daemon's stat renewed before the kernel's (their timeouts run apart)
+    h2 = fs.open("/a", os.O_RDONLY)
+    assert fs.kernel_attrs_stale(h2)  # it would stop this handle's reads at 10 bytes
+    assert not fs.kernel_attrs_stale(h2)  # asked once
+    assert fs.fgetattr(h2).size == 16  # what it then asks for
+    h3 = fs.open("/a", os.O_RDONLY)
+    assert not fs.kernel_attrs_stale(h3)
+    for fh in (h2, h3):
+        fs.release(fh)
+
+
+def test_fs_a_handle_moves_on_only_to_a_version_no_longer_than_the_one_it_opened(fs: Filesystem,
+                                                                                  remote: Remote) -> None:
+    put(remote, "a", b"one")
+    h1 = fs.open("/a", os.O_RDONLY)
+    put(remote, "a", b"three")  # longer: the kernel holds 3 bytes as its size and stops reads there
+    with raises_errno(errno.ESTALE):
+        fs.read(h1, 10, 0)
+    fs.release(h1)
+    put(remote, "b", b"one")
+    h2 = fs.open("/b", os.O_RDONLY)
+    put(remote, "b", b"2")  # shorter: the kernel takes the end of its first read as the size
+    assert fs.read(h2, 10, 0) == b"2"
+    fs.release(h2)
 
 
 def test_fs_readers_opened_beside_a_writer_are_counted(fs: Filesystem, remote: Remote) -> None:
