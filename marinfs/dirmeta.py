@@ -211,7 +211,14 @@ class DirRecords:
         self._ticks = itertools.count(1)  # orders GETs sent and PUTs done (taken under the lock)
 
     # -- reads ---------------------------------------------------------------------------------
-    def apply(self, dir_key: str, children: list[ObjectInfo], files: bool = True) -> list[ObjectInfo]:
+    def tick(self) -> int:
+        """A mark to take before sending a LIST, for :meth:`apply` (``sent``): whether our own
+        PUT of the record came after it."""
+        with self._lock:
+            return next(self._ticks)
+
+    def apply(self, dir_key: str, children: list[ObjectInfo], files: bool = True,
+              sent: int | None = None) -> list[ObjectInfo]:
         """The listing of ``dir_key`` without its record, each child with ``posix`` set
         (``files`` False: directories only, where listings carry the files' own, as on GCS).
 
@@ -219,28 +226,28 @@ class DirRecords:
         one, else one GET. A child without a valid entry gets ``PosixAttrs()`` (nothing set:
         the mount's defaults), the same with or without a record, so a listing always answers
         ``posix``; None only when the record exists but could not be read (the cause logged):
-        a stat may still find the attributes."""
+        a stat may still find the attributes. ``sent``: :meth:`tick` taken before the LIST (a
+        listing without the record then does not undo our PUT that made it after)."""
         rkey = record_key(dir_key)
         listed = next((c for c in children if c.name == rkey and not c.is_dir), None)
         rest = [c for c in children if c is not listed]
-        # Our changes first, the record then: a change no longer in the overlay was written
-        # before, so the record found next holds it. (The other order lost a change whose PUT
-        # landed between the two: an old record and an overlay already emptied.)
-        with self._lock:
-            overlay = self._overlay_locked(dir_key)
         record: _Record | None
         if listed is None:
-            record = _Record(ABSENT, {})
             with self._lock:
                 cached = self._records.get(dir_key)
-                if cached is not None and cached.written:
-                    # A LIST sent before our PUT made the record: ours stands (once; a second
-                    # listing without it means another node removed it).
-                    record = self._records[dir_key] = replace(cached, written=0)
-                else:
-                    self._remember_locked(dir_key, record)
+                if cached is None or not cached.written or sent is None or cached.written < sent:
+                    self._remember_locked(dir_key, _Record(ABSENT, {}))
+                # (else the LIST was sent before our PUT made the record: ours stands)
+            record = _Record(ABSENT, {})
         else:
             record = self._current(dir_key, listed.version)
+        with self._lock:
+            # The record as cached now and our changes not in it, at one moment: a PUT landing
+            # meanwhile moves its changes from the one to the other. (The record found above
+            # may be older than the cache by then, and an overlay taken before it newer.)
+            if record is not None:
+                record = self._records.get(dir_key) or record
+            overlay = self._overlay_locked(dir_key)
         out = []
         for child in rest:
             if not files and not child.is_dir:

@@ -330,18 +330,39 @@ def test_a_get_sent_before_our_put_does_not_bring_the_older_record_back() -> Non
         records.close(timeout=5)
 
 
-def test_a_list_sent_before_our_put_made_the_record_keeps_it(store: FakeStore, records: DirRecords) -> None:
-    listing = files("d", store, a=1)  # no record yet
+def test_lists_sent_before_our_put_made_the_record_keep_it(store: FakeStore, records: DirRecords) -> None:
+    sent = records.tick()
+    first, second = files("d", store, a=1), files("d", store, a=1)  # no record yet
     records.set("d", "a", v(1), FULL)
     assert records.flush(5)
-    assert by_name(records.apply("d", listing)) == {"a": FULL}
+    assert by_name(records.apply("d", first, sent=sent)) == {"a": FULL}
+    assert by_name(records.apply("d", second, sent=sent)) == {"a": FULL}
     assert records.cached("d", "a", v(1)) == FULL
     records.set("d", "a", v(1), MODE)
     assert records.flush(5)
     assert store.counts["put"] == 2 and store.counts["412"] == 0  # it still knew its version
-    del store.objects["d/" + RECORD_NAME]  # another node removed it: a second listing says so
-    assert by_name(records.apply("d", files("d", store, a=1))) == {"a": MODE}
-    assert by_name(records.apply("d", files("d", store, a=1))) == {"a": NO_ATTRS}
+    del store.objects["d/" + RECORD_NAME]  # another node removed it: a listing sent since says so
+    assert by_name(records.apply("d", files("d", store, a=1), sent=records.tick())) == {"a": NO_ATTRS}
+
+
+class ChmodBetween(DirRecords):
+    """A newer change of a name is queued and written while a listing reads the record."""
+
+    def _current(self, dir_key: str, listed: ObjectVersion | None):  # type: ignore[no-untyped-def]
+        self.set("d", "a", v(1), MODE)
+        assert self.flush(5)
+        return super()._current(dir_key, listed)
+
+
+def test_a_change_written_while_a_listing_is_applied_wins_over_the_one_before(store: FakeStore) -> None:
+    records = ChmodBetween(store, flush_delay=3600)
+    try:
+        store.raw_put("d/" + RECORD_NAME, encode({"b": ("g2", MODE)}))
+        records.set("d", "a", v(1), FULL)  # queued; the chmod to MODE comes while the listing is applied
+        assert by_name(records.apply("d", files("d", store, a=1, b=2))) == {"a": MODE, "b": MODE}
+        assert records.cached("d", "a", v(1)) == MODE
+    finally:
+        records.close(timeout=5)
 
 
 def test_many_changes_in_one_window_are_one_put(store: FakeStore) -> None:

@@ -94,7 +94,8 @@ class Recorded:
             if on_page is not None:
                 on_page(entries)
 
-        return records.apply(key, super().list(key, page), files=not self.lists_posix)  # type: ignore[misc]
+        sent = records.tick()
+        return records.apply(key, super().list(key, page), files=not self.lists_posix, sent=sent)  # type: ignore[misc]
 
     def stat(self, key: str, likely_dir: bool = False, likely_link: bool = False) -> ObjectInfo:
         if is_record(key):
@@ -181,8 +182,9 @@ class Recorded:
             self.records.drop(old_dir)
             if not valid:
                 continue
+            sent = self.records.tick()
             raw = super().list(new_dir)  # type: ignore[misc]
-            self.records.apply(new_dir, [i for i in raw if i.name == record_key(new_dir)])  # the copy: cached
+            self.records.apply(new_dir, [i for i in raw if i.name == record_key(new_dir)], sent=sent)  # the copy: cached
             listed = {split_key(i.name)[1]: i.version for i in raw if not i.is_dir}
             for name, attrs in valid.items():
                 if listed.get(name) is not None:
@@ -197,7 +199,8 @@ class Recorded:
             if posixpath.basename(key) != RECORD_NAME:
                 continue
             dir_key = split_key(key)[0]
-            listing = self.records.apply(dir_key, super().list(dir_key), files=True)  # type: ignore[misc]
+            sent = self.records.tick()
+            listing = self.records.apply(dir_key, super().list(dir_key), files=True, sent=sent)  # type: ignore[misc]
             out[dir_key] = {split_key(i.name)[1]: i.posix for i in listing
                             if not i.is_dir and i.posix is not None and not i.posix.empty}
         return out
