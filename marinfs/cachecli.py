@@ -11,6 +11,7 @@ from pathlib import Path
 from marinfs.chunkcache import disk_usage, lock_holder, stats_file, wipe
 from marinfs.errors import MarinfsError, UsageError
 from marinfs.mounts import live_mounts
+from marinfs.settings import human_size
 
 WARM_READ = 8 << 20
 
@@ -33,7 +34,7 @@ def stats(cache_dir: Path) -> dict:
 def format_stats(data: dict) -> str:
     lines = [f"cache dir     {data['cache_dir']}",
              f"daemon        {'PID ' + str(data['daemon_pid']) if data['daemon_pid'] else 'none running'}",
-             f"on disk       {data['chunks_on_disk']} chunks, {_human(data['bytes_on_disk'])}"]
+             f"on disk       {data['chunks_on_disk']} chunks, {human_size(data['bytes_on_disk'])}"]
     run = data.get("live") or data.get("last_run")
     if run and run.get("cache"):
         c = run["cache"]
@@ -41,9 +42,9 @@ def format_stats(data: dict) -> str:
         ratio = f"{100 * c['hits'] / lookups:.1f}%" if lookups else "n/a"
         label = "this run" if data.get("live") else "last run"
         lines += [f"mount         {run['remote']} at {run['mountpoint']} ({label})",
-                  f"used / limit  {_human(c['bytes_used'])} / {_human(c['bytes_limit'])}",
+                  f"used / limit  {human_size(c['bytes_used'])} / {human_size(c['bytes_limit'])}",
                   f"hits          {c['hits']}  misses {c['misses']}  (hit ratio {ratio})",
-                  f"fetched       {_human(c['bytes_fetched'])}  evictions {c['evictions']}  "
+                  f"fetched       {human_size(c['bytes_fetched'])}  evictions {c['evictions']}  "
                   f"corrupt {c['corrupt']}  write failures {c['write_failures']}"]
     return "\n".join(lines)
 
@@ -97,13 +98,6 @@ def warm(paths: list[str], workers: int = 4, quiet: bool = False) -> str:
         done = sum(pool.map(lambda p: _read_through(p, progress), files))
     seconds = time.monotonic() - started
     rate = done / seconds / (1 << 20) if seconds > 0 else 0.0
-    return f"warmed {len(files)} files, {_human(done)} in {seconds:.1f} s ({rate:.0f} MiB/s)"
+    return f"warmed {len(files)} files, {human_size(done)} in {seconds:.1f} s ({rate:.0f} MiB/s)"
 
 
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{n} B"

@@ -55,6 +55,16 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def human_size(n: int) -> str:
+    """A size for people: 0 B, 8.0 MiB, 20.0 GiB (binary units, one decimal)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 def parse_mode(text: str) -> int:
     """Parse an octal permission mode such as ``0644`` or ``755``."""
     try:

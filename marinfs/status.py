@@ -11,6 +11,7 @@ from marinfs.chunkcache import stats_file
 from marinfs.daemon import state_file
 from marinfs.errors import UsageError
 from marinfs.mounts import live_mounts
+from marinfs.settings import human_size
 
 
 def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
@@ -55,7 +56,7 @@ def format_status(items: list[dict[str, Any]]) -> str:
         if cache:
             lookups = cache["hits"] + cache["misses"]
             ratio = f"{100 * cache['hits'] / lookups:.1f}%" if lookups else "n/a"
-            lines.append(f"  cache {cache['bytes_used'] / 2**30:.2f} / {cache['bytes_limit'] / 2**30:.1f} GiB, "
+            lines.append(f"  cache {human_size(cache['bytes_used'])} / {human_size(cache['bytes_limit'])}, "
                          f"hit ratio {ratio}, {cache['evictions']} evictions")
         through = it.get("passthrough")
         if through:
@@ -64,8 +65,7 @@ def format_status(items: list[dict[str, Any]]) -> str:
         req = it.get("remote_requests")
         if req:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(req["requests"].items())) or "none"
-            lines.append(f"  requests: {kinds}; in {req['bytes_in'] / 2**20:.1f} MiB, "
-                         f"out {req['bytes_out'] / 2**20:.1f} MiB")
+            lines.append(f"  requests: {kinds}; in {human_size(req['bytes_in'])}, out {human_size(req['bytes_out'])}")
             if req["errors"]:
                 lines.append("  errors: " + ", ".join(f"{k} {v}" for k, v in sorted(req["errors"].items())))
         up = it.get("uploads")

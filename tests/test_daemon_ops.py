@@ -156,6 +156,7 @@ def test_status_and_metrics_match_what_was_done(tmp_path: Path, remote_dir: Path
         assert item["uploads"] == {"pending": [], "failed": [], "conflicts": []}
         human = subprocess.run([*MARINFS, "status"], capture_output=True, text=True, check=True).stdout
         assert str(mnt) in human and "hit ratio" in human
+        assert "cache 3.0 MiB / 20.0 GiB" in human and "out 7 B" in human  # (not "0.0 GiB")
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'marinfs_remote_requests_total{kind="get"} 3.0' in body
         assert "marinfs_cache_fetched_bytes_total 3.145728e+06" in body
