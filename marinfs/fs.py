@@ -304,13 +304,25 @@ class Filesystem:
         return None if info is None else self.kernel_info(key, self._present(info))
 
     def fgetattr(self, fh: int) -> ObjectInfo:
-        """fstat(2) of an open file: the version it reads (its own, as on a local disk), unless
-        another version is read through the page cache here (kernel_info)."""
+        """fstat(2) of an open file: the file's stat, with the size and time of the version this
+        handle reads (as on a local disk), unless another version is read through the page
+        cache here (kernel_info). A reader's beside a writer here, or after one, is the file's
+        as written (it reads the writes, as on a local disk); one whose name was unlinked or
+        renamed here keeps what it opened."""
         handle = self._handle(fh)
-        info = self.handle_info(fh)
-        # (A writer's is its staged file's; one whose name went here is of an inode no longer
-        # under that name.)
-        return info if handle.staged is not None or handle.orphan else self.kernel_info(handle.key, info)
+        if handle.staged is not None or handle.orphan or handle.info is None:
+            return self.handle_info(fh)
+        try:
+            info = self._present(self.lookup(handle.key))
+        except FileNotFoundError:
+            return self.handle_info(fh)
+        if info.is_dir or info.link:
+            return self.handle_info(fh)
+        users = handle.page_users
+        if handle.key not in self._staged and not (users is not None and users.written):
+            own = self._present(handle.info)
+            info = replace(info, size=own.size, mtime_ns=own.mtime_ns)
+        return self.kernel_info(handle.key, info)
 
     def kernel_info(self, key: str, info: ObjectInfo) -> ObjectInfo:
         """What the kernel is told of file ``key``: ``info``, but while readers here read a version
@@ -324,9 +336,16 @@ class Filesystem:
             users = self._page_users.get(key)
             if (users is not None and not users.written and users.version != info.version
                     and key not in self._staged):
-                info = replace(users.info, name=info.name)
+                # (Only what the kernel uses of it: the rest, a chmod say, is the file's now.)
+                group = self._present(users.info)
+                info = replace(info, size=group.size, mtime_ns=group.mtime_ns)
             self._told[key] = (info.size, info.mtime_ns)
         return info
+
+    def _told_other_locked(self, key: str, info: ObjectInfo) -> bool:
+        """Whether the kernel was last told of ``key`` another size or time than ``info``'s."""
+        shown = self._present(info)
+        return self._told.get(key) != (shown.size, shown.mtime_ns)
 
     def kernel_attrs_stale(self, fh: int) -> bool:
         """Whether the kernel is to drop the attributes it holds for this file before it reads
@@ -811,7 +830,7 @@ class Filesystem:
                 backing = self._whole_version_locked(key, info)
                 if backing is not None:  # (a version cached whole: see below)
                     users = self._page_users[key] = PageUsers(key, info.version, info, backing=backing)
-                    handle.stale_kernel_attrs = self._told.get(key) != (info.size, info.mtime_ns)
+                    handle.stale_kernel_attrs = self._told_other_locked(key, info)
             if users is not None and users.backing is not None:  # (never a writer: _writer_staged)
                 self._carry_locked(handle, users, member=tracked and users.version == info.version
                                    and key not in self._staged and not direct_open)
@@ -832,7 +851,7 @@ class Filesystem:
                                                                   written=key in self._staged)
                     users.count += 1
                     handle.page_users = users
-                    handle.stale_kernel_attrs = self._told.get(key) != (info.size, info.mtime_ns)
+                    handle.stale_kernel_attrs = self._told_other_locked(key, info)
         return self._new_handle(handle)
 
     def _writer_staged(self, key: str, info: ObjectInfo | None, truncate: bool,
@@ -1410,6 +1429,7 @@ class Filesystem:
             self._orphan_handles_locked(key)
             for k in [k for k in self._page_users if _under(k, key)]:
                 del self._page_users[k]
+            self._told.pop(key, None)  # (a tree's files: their next opens may ask the kernel again)
 
     def _move_inodes(self, src: str, dst: str) -> None:
         """A rename here moved the inodes (libfuse renames the node) and their page caches:
@@ -1423,6 +1443,9 @@ class Filesystem:
             for users in moved:
                 users.key = dst + users.key[len(src):]
                 self._page_users[users.key] = users
+            told = self._told.pop(src, None)
+            if told is not None:
+                self._told[dst] = told
 
     def _orphan_handles_locked(self, key: str) -> None:
         """Read handles of ``key`` (a file or a tree) whose name was unlinked or renamed here."""

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import threading
+import time
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -713,6 +714,32 @@ def test_fs_the_kernel_is_told_the_size_of_the_version_its_page_cache_serves(fs:
     assert fs.getattr("/a").size == len(b"a new and longer one")
     fs.release(w)
     fs.release(h3)
+
+
+def test_fs_what_the_kernel_is_told_follows_this_nodes_own_changes(fs: Filesystem, remote: Remote) -> None:
+    """Only the size and time come from the version open here: a writer's bytes, a chmod, a
+    truncate made here show at once, to stat and fstat alike; a file this node wrote is not
+    taken for another version at each open (the time it shows is the writer's)."""
+    put(remote, "a", b"0123456789")
+    r = fs.open("/a", os.O_RDONLY)
+    assert fs.read(r, 4, 0) == b"0123"
+    w = fs.open("/a", os.O_WRONLY | os.O_APPEND)
+    fs.write(w, b"more bytes", 10)
+    assert fs.fgetattr(r).size == fs.getattr("/a").size == 20
+    close(fs, w)
+    assert fs.fgetattr(r).size == fs.getattr("/a").size == 20
+    fs.set_attributes("/a", mode=0o600)
+    assert fs.getattr("/a").posix.mode == fs.fgetattr(r).posix.mode == 0o600
+    fs.truncate("/a", 3)
+    assert fs.getattr("/a").size == fs.fgetattr(r).size == 3
+    fs.release(r)
+    write_file(fs, "/b", b"x" * 100)
+    assert fs.getattr("/b").size == 100
+    for _ in range(3):
+        h = fs.open("/b", os.O_RDONLY)
+        assert not fs.kernel_attrs_stale(h)
+        assert fs.fgetattr(h).mtime_ns == fs.getattr("/b").mtime_ns
+        fs.release(h)
 
 
 def test_fs_an_open_makes_the_kernel_drop_another_versions_size_before_it_reads(fs: Filesystem, remote: Remote) -> None:
