@@ -42,6 +42,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from typing import Any
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef, ObjectVersion, cache_id
+from marinfs.threadnames import name_current
 
 try:  # CRC-32C in C with the CPU's crc32 instruction (google-crc32c, which gcsfs installs)
     import google_crc32c
@@ -184,6 +186,10 @@ class ChunkCache:
         # whole, unlinked, so the map keeps its blocks), and ones holding chunks cut with two
         # chunk sizes (a punch for one would cut into the other's bytes). Both go whole.
         self._unpunched: set[Path] = set()
+        # Whole versions whose checksums a thread of its own is checking (verify_later).
+        self._verifying: set[str] = set()
+        self._verifier: ThreadPoolExecutor | None = None
+        self._closed = False
         self.used = 0
         self._reserved = 0
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -519,15 +525,10 @@ class ChunkCache:
         if chunks <= 0:
             return None
         with self._lock:
-            path = self._data_file(object_id)
-            total = 0
-            for index in range(chunks):
-                entry = self._index.get((object_id, index))
-                if entry is None or entry.path != path or not entry.verified or entry.offset != total:
-                    return None
-                total += entry.size
-            if total != size:
+            entries = self._whole_locked(object_id, chunks, size)
+            if entries is None or not all(entry.verified for entry in entries):
                 return None
+            path = entries[0].path
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:
@@ -538,6 +539,72 @@ class ChunkCache:
             self._pins[object_id] = self._pins.get(object_id, 0) + 1
             self._unpunched.add(path)  # maps of it may outlive the pin
             return fd
+
+    def _whole_locked(self, object_id: str, chunks: int, size: int) -> list[_Entry] | None:
+        """The ``chunks`` entries of a version cached whole (``size`` bytes, each chunk at its
+        offset in the one data file), in order; None if one is missing."""
+        path = self._data_file(object_id)
+        entries: list[_Entry] = []
+        total = 0
+        for index in range(chunks):
+            entry = self._index.get((object_id, index))
+            if entry is None or entry.path != path or entry.offset != total:
+                return None
+            entries.append(entry)
+            total += entry.size
+        return entries if total == size else None
+
+    def verify_later(self, object_id: str, chunks: int, size: int) -> bool:
+        """Check, on a thread of its own, the checksums of a version cached whole that were not
+        all read since this daemon started, so that a later ``pin`` of it succeeds: a restart
+        keeps the cache, and the kernel is handed only verified files. True if a check was
+        queued (not for a version not whole, already verified, or queued before)."""
+        with self._lock:
+            entries = self._whole_locked(object_id, chunks, size) if chunks > 0 else None
+            if (entries is None or all(entry.verified for entry in entries)
+                    or object_id in self._verifying or self._closed):
+                return False
+            self._verifying.add(object_id)
+            if self._verifier is None:
+                self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-verify",
+                                                    initializer=name_current)
+            self._verifier.submit(self._verify, object_id, chunks)
+        return True
+
+    def _verify(self, object_id: str, chunks: int) -> None:
+        """verify_later's check, one chunk at a time as a read would (its blocks are not
+        punched meanwhile); a chunk that fails is discarded, and the check ends."""
+        try:
+            for index in range(chunks):
+                ikey = (object_id, index)
+                with self._lock:
+                    entry = self._index.get(ikey)
+                    if entry is None or self._closed:
+                        return  # evicted meanwhile: not whole any more
+                    if entry.verified:
+                        continue
+                    entry.users += 1
+                drop: str | None = "corrupt"
+                try:
+                    if self._read_whole(entry) is not None:
+                        entry.verified = True
+                        drop = None
+                except FileNotFoundError:
+                    drop = "missing"
+                finally:
+                    self._done(ikey, entry, None, drop=drop)
+                if drop:
+                    return
+        except Exception:  # noqa: BLE001 - a check that failed leaves the version to the daemon's reads
+            log.exception("checking the cached chunks of %s failed", object_id)
+        finally:
+            with self._lock:
+                self._verifying.discard(object_id)
+
+    def verifying(self) -> int:
+        """Versions queued or being checked by verify_later (for tests and status)."""
+        with self._lock:
+            return len(self._verifying)
 
     def unpin(self, object_id: str) -> None:
         with self._lock:
@@ -760,6 +827,11 @@ class ChunkCache:
                 assert not entry.gone and self._files.get(entry.path, 0) >= 1, entry.path
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            verifier, self._verifier = self._verifier, None
+        if verifier is not None:
+            verifier.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             while self._fds:
                 self._shut_locked(next(iter(self._fds)))

@@ -919,8 +919,12 @@ class Filesystem:
             return None
         chunk = self.fetcher.chunk_size
         object_id = cache_id(f"{self.remote.url}/{key}", str(info.version))
-        fd = cache.pin(object_id, -(-info.size // chunk), info.size)
+        chunks = -(-info.size // chunk)
+        fd = cache.pin(object_id, chunks, info.size)
         if fd is None:
+            # Whole but not read since this daemon started (a restart keeps the cache): its
+            # checksums are checked meanwhile, so that a later open passes through.
+            cache.verify_later(object_id, chunks, info.size)
             return None
         try:
             backing_id = self.backings.register(fd)

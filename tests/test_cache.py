@@ -374,6 +374,28 @@ def pages_of(size: int) -> list[int]:
     return sorted(random.sample(range(size // 4096), 200))
 
 
+def test_after_a_restart_a_file_cached_whole_is_passed_through_once_checked(remote: Remote, tmp_path: Path) -> None:
+    """A restarted daemon keeps its chunk cache but has checked none of it: the first open of a
+    file cached whole reads through the daemon, here one page of it, while the cache checks the
+    file's checksums; later opens pass through, with no byte fetched again."""
+    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+
+    if not LIBFUSE_PASSTHROUGH:
+        pytest.skip("libfuse < 3.17 here: no passthrough (make libfuse builds it)")
+    data = os.urandom(3 * MiB + 333)
+    remote.put("m.bin", data)
+    path = tmp_path / "mnt/m.bin"
+    with mount(remote, tmp_path) as core:
+        assert read_in_child(path) == data
+        assert core.fetcher.settle()
+    with mount(remote, tmp_path) as core:
+        page = subprocess.run(["dd", f"if={path}", "bs=4096", "skip=300", "count=1", "status=none"],
+                              capture_output=True, check=True, timeout=120).stdout
+        assert page == data[300 * 4096:301 * 4096] and core.passthrough_opens == 0
+        eventually(lambda: read_in_child(path) == data and core.passthrough_opens > 0)
+        assert gets(core) == 0
+
+
 def eventually(check: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():

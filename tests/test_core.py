@@ -915,8 +915,6 @@ def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path)
 def test_an_unreachable_gcs_fails_within_our_retries_not_gcsfs_s() -> None:
     """gcsfs retries each request 6 times with 31 s of sleeps between; ours is the one bounded
     loop, so an unreachable GCS is EIO after our attempts, each request counted."""
-    import time
-
     from marinfs.config import RemoteSettings
     from servers import free_port
 
@@ -1018,6 +1016,30 @@ def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remot
     fs.release(d)
     assert fs.stats()["passthrough"] == {"on": True, "opens": 3, "files": 0}
     assert fs._page_users == {}
+    fs.close()
+
+
+def test_fs_after_a_restart_a_version_cached_whole_passes_through_once_checked(remote: Remote,
+                                                                              tmp_path: Path) -> None:
+    """A restart keeps the chunk cache but has verified none of it: the first open of a version
+    cached whole reads through the daemon and has its checksums checked meanwhile, on a thread
+    of the cache's; the next open passes through, with no byte read from the remote again."""
+    data = os.urandom(200 << 10)
+    whole_in_cache(remote, tmp_path, data).close()
+    backings = FakeBackings()
+    fs = passthrough_fs(remote, tmp_path, backings)
+    fh = fs.open("/m", os.O_RDONLY)
+    assert not fs.passes_through(fh)
+    assert fs.read(fh, 100, 0) == data[:100]  # a partial read: it alone would never qualify
+    fs.release(fh)
+    deadline = time.monotonic() + 10
+    while fs.fetcher.cache.verifying() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    remote.stats.reset()
+    fh = fs.open("/m", os.O_RDONLY)
+    assert fs.passes_through(fh) and backings.live == {fs.passes_through(fh): data}
+    fs.release(fh)
+    assert remote.stats.snapshot()["requests"].get("get", 0) == 0
     fs.close()
 
 

@@ -366,6 +366,46 @@ def test_a_pinned_version_is_the_object_and_is_not_evicted(tmp_path: Path) -> No
     restarted.unpin(woid)
 
 
+def _settled(cache: ChunkCache) -> None:
+    deadline = time.monotonic() + 10
+    while cache.verifying() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not cache.verifying()
+
+
+def test_a_version_cached_whole_before_a_restart_is_checked_in_the_background(tmp_path: Path) -> None:
+    """After a restart nothing is verified yet; ``verify_later`` checks a whole version's chunks
+    on a thread of its own (once), after which it pins; a damaged chunk is discarded instead."""
+    chunk = 64 * KiB
+    data, other = os.urandom(3 * chunk + 5), os.urandom(2 * chunk)
+    cache = ChunkCache(tmp_path, 16 * chunk, chunk_size=chunk)
+    for i in range(4):
+        assert cache.put(key(i), data[i * chunk:(i + 1) * chunk])
+    for i in range(2):
+        assert cache.put(key(i, "b"), other[i * chunk:(i + 1) * chunk])
+    assert cache.put(key(0, "part"), data[:chunk])  # a version not whole
+    cache.close()
+    flip_byte(next(r for r in records(tmp_path, 1) if r.name.startswith(key(1, "b").object_id)))
+    restarted = ChunkCache(tmp_path, 16 * chunk, chunk_size=chunk)
+    oid, boid = key(0).object_id, key(0, "b").object_id
+    assert restarted.pin(oid, 4, len(data)) is None  # not verified since this start
+    assert restarted.read(key(0), 0, chunk) == data[:chunk]  # one read through: still not all
+    assert restarted.pin(oid, 4, len(data)) is None
+    assert restarted.verify_later(oid, 4, len(data))
+    assert restarted.verify_later(boid, 2, len(other))
+    assert not restarted.verify_later(key(0, "part").object_id, 2, 2 * chunk)  # not whole: nothing to do
+    _settled(restarted)
+    fd = restarted.pin(oid, 4, len(data))
+    assert fd is not None and os.pread(fd, len(data) + 1, 0) == data
+    os.close(fd)
+    restarted.unpin(oid)
+    assert not restarted.verify_later(oid, 4, len(data))  # verified: nothing to do
+    assert restarted.pin(boid, 2, len(other)) is None and not restarted.contains(key(1, "b"))
+    assert restarted.stats.corrupt == 1
+    restarted.check_invariants()
+    restarted.close()
+
+
 def test_chunks_cut_with_two_chunk_sizes_never_punch_each_other(tmp_path: Path) -> None:
     """A restart with another chunk size: chunk N stands for other bytes, and the new chunks
     overlap the old ones in the version's data file, so dropping or evicting an old one must
