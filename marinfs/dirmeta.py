@@ -167,7 +167,9 @@ class _Record:
 
     version: ObjectVersion | None
     entries: dict[str, Entry]
-    written: int = 0  # when this node's own PUT made it (a tick; 0: read): a GET or LIST sent before may answer older
+    # When it was seen (a tick): a GET or LIST when sent, our own PUT when done. An answer sent
+    # before another one was seen may be older: it never replaces it in the cache.
+    seen: int = 0
 
 
 def _valid(entry: Entry | None, version: ObjectVersion | str | None, is_dir: bool) -> PosixAttrs | None:
@@ -233,12 +235,8 @@ class DirRecords:
         rest = [c for c in children if c is not listed]
         record: _Record | None
         if listed is None:
-            with self._lock:
-                cached = self._records.get(dir_key)
-                if cached is None or not cached.written or sent is None or cached.written < sent:
-                    self._remember_locked(dir_key, _Record(ABSENT, {}))
-                # (else the LIST was sent before our PUT made the record: ours stands)
-            record = _Record(ABSENT, {})
+            with self._lock:  # (a LIST sent before a record was seen, ours say, leaves it)
+                record = self._remember_locked(dir_key, _Record(ABSENT, {}, next(self._ticks) if sent is None else sent))
         else:
             record = self._current(dir_key, listed.version)
         with self._lock:
@@ -307,21 +305,22 @@ class DirRecords:
             sent = next(self._ticks)
         try:
             data, version = self.store.read_small(rkey)
-            record = _Record(version, decode(data, rkey))
+            record = _Record(version, decode(data, rkey), sent)
         except FileNotFoundError:
-            record = _Record(ABSENT, {})
-        with self._lock:
-            now = self._records.get(dir_key)
-            if now is not None and now.written > sent:
-                return now  # our PUT landed while the GET travelled: it may have read older bytes
-            self._remember_locked(dir_key, record)
-        return record
+            record = _Record(ABSENT, {}, sent)
+        with self._lock:  # (one seen since it was sent, our PUT say, stands: it may be newer)
+            return self._remember_locked(dir_key, record)
 
-    def _remember_locked(self, dir_key: str, record: _Record) -> None:
+    def _remember_locked(self, dir_key: str, record: _Record) -> _Record:
+        """Cache ``record`` unless the cached one was seen after it; answers the one kept."""
+        cached = self._records.get(dir_key)
+        if cached is not None and cached.seen > record.seen:
+            return cached
         if len(record.entries) < self._records.maxsize:
             self._records[dir_key] = record
         else:  # bigger than the whole cache: read each time
             self._records.pop(dir_key, None)
+        return record
 
     def cached(self, dir_key: str, name: str, version: ObjectVersion | str | None) -> PosixAttrs | None:
         """The attributes of child ``name`` (``name/`` for a directory) at ``version`` if this
@@ -621,7 +620,7 @@ class DirRecords:
                 record = self._read(dir_key)  # another node wrote it: their entries, ours on top
                 continue
             with self._lock:
-                self._remember_locked(dir_key, _Record(version, merged, written=next(self._ticks)))
+                self._remember_locked(dir_key, _Record(version, merged, next(self._ticks)))
             return True
         log.warning("directory record of %r changed under %d attempts to write it", dir_key, PUT_ATTEMPTS)
         return False

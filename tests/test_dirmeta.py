@@ -345,6 +345,17 @@ def test_lists_sent_before_our_put_made_the_record_keep_it(store: FakeStore, rec
     assert by_name(records.apply("d", files("d", store, a=1), sent=records.tick())) == {"a": NO_ATTRS}
 
 
+def test_a_listing_sent_before_a_newer_one_never_undoes_what_that_one_read(store: FakeStore,
+                                                                            records: DirRecords) -> None:
+    older_sent = records.tick()
+    older = files("d", store, a=1)  # no record yet
+    store.raw_put("d/" + RECORD_NAME, encode({"a": ("g1", FULL)}))  # another node makes it
+    newer_sent = records.tick()
+    assert by_name(records.apply("d", files("d", store, a=1), sent=newer_sent)) == {"a": FULL}
+    assert by_name(records.apply("d", older, sent=older_sent)) == {"a": FULL}  # it landed late
+    assert records.cached("d", "a", v(1)) == FULL and store.counts["get"] == 1
+
+
 class ChmodBetween(DirRecords):
     """A newer change of a name is queued and written while a listing reads the record."""
 
