@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from cachetools import LRUCache
 
 from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, PreconditionFailed, StaleVersionError
+from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -142,6 +142,20 @@ class Backings(Protocol):
 
     def unregister(self, backing_id: int) -> None:
         """Drop an id (files opened with it keep their own reference)."""
+
+
+def _shown_time(info: ObjectInfo) -> int:
+    """The time a stat shows of ``info``: one stored for it (utimens, rsync -a), else the object's."""
+    posix = info.posix
+    return posix.mtime_ns if posix is not None and posix.mtime_ns is not None else info.mtime_ns
+
+
+def _with_size_and_time(info: ObjectInfo, size: int, shown: int) -> ObjectInfo:
+    """``info`` showing ``size`` and the time ``shown`` (what the kernel keeps of a file's version)."""
+    posix = info.posix
+    if posix is not None and posix.mtime_ns is not None:
+        posix = replace(posix, mtime_ns=shown)
+    return replace(info, size=size, mtime_ns=shown, posix=posix)
 
 
 def _under(key: str, tree: str) -> bool:
@@ -314,14 +328,14 @@ class Filesystem:
             return self.handle_info(fh)
         try:
             info = self._present(self.lookup(handle.key))
-        except FileNotFoundError:
+        except (FileNotFoundError, RemoteError):  # (gone, or the store not answering: what it opened)
             return self.handle_info(fh)
         if info.is_dir or info.link:
             return self.handle_info(fh)
         users = handle.page_users
         if handle.key not in self._staged and not (users is not None and users.written):
             own = self._present(handle.info)
-            info = replace(info, size=own.size, mtime_ns=own.mtime_ns)
+            info = _with_size_and_time(info, own.size, _shown_time(own))
         return self.kernel_info(handle.key, info)
 
     def kernel_info(self, key: str, info: ObjectInfo) -> ObjectInfo:
@@ -338,14 +352,14 @@ class Filesystem:
                     and key not in self._staged):
                 # (Only what the kernel uses of it: the rest, a chmod say, is the file's now.)
                 group = self._present(users.info)
-                info = replace(info, size=group.size, mtime_ns=group.mtime_ns)
-            self._told[key] = (info.size, info.mtime_ns)
+                info = _with_size_and_time(info, group.size, _shown_time(group))
+            self._told[key] = (info.size, _shown_time(info))
         return info
 
     def _told_other_locked(self, key: str, info: ObjectInfo) -> bool:
         """Whether the kernel was last told of ``key`` another size or time than ``info``'s."""
         shown = self._present(info)
-        return self._told.get(key) != (shown.size, shown.mtime_ns)
+        return self._told.get(key) != (shown.size, _shown_time(shown))
 
     def kernel_attrs_stale(self, fh: int) -> bool:
         """Whether the kernel is to drop the attributes it holds for this file before it reads

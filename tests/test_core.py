@@ -738,8 +738,34 @@ def test_fs_what_the_kernel_is_told_follows_this_nodes_own_changes(fs: Filesyste
     for _ in range(3):
         h = fs.open("/b", os.O_RDONLY)
         assert not fs.kernel_attrs_stale(h)
-        assert fs.fgetattr(h).mtime_ns == fs.getattr("/b").mtime_ns
+        assert _shown(fs.fgetattr(h)) == _shown(fs.getattr("/b"))
         fs.release(h)
+
+
+def _shown(info: ObjectInfo) -> tuple[int, int]:
+    """(size, time) as a stat shows them (FuseAdapter.attrs: a stored mtime, else the object's)."""
+    posix = info.posix
+    return info.size, posix.mtime_ns if posix is not None and posix.mtime_ns is not None else info.mtime_ns
+
+
+def test_fs_the_time_told_is_the_open_versions_even_where_times_are_stored(fs: Filesystem, remote: Remote) -> None:
+    """rsync -a and touch store a file's time: what the kernel is told while a version is open
+    here is that version's time as shown, never the new one's beside the old one's size."""
+    if not remote.stores_posix:
+        pytest.skip("this store keeps no times")
+    put(remote, "a", b"0123456789")
+    fs.set_attributes("/a", mtime_ns=1_000_000_000_000_000_000)
+    fs.metadata.forget("a")
+    before = _shown(fs.getattr("/a"))
+    h = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h, 4, 0) == b"0123"
+    put(remote, "a", b"short")
+    fs.metadata.forget("a")
+    fs.set_attributes("/a", mtime_ns=2_000_000_000_000_000_000)
+    fs.metadata.forget("a")
+    assert _shown(fs.getattr("/a")) == _shown(fs.fgetattr(h)) == before == (10, 1_000_000_000_000_000_000)
+    fs.release(h)
+    assert _shown(fs.getattr("/a")) == (5, 2_000_000_000_000_000_000)
 
 
 def test_fs_an_open_makes_the_kernel_drop_another_versions_size_before_it_reads(fs: Filesystem, remote: Remote) -> None:
@@ -1035,6 +1061,7 @@ def test_fs_after_a_restart_a_version_cached_whole_passes_through_once_checked(r
     deadline = time.monotonic() + 10
     while fs.fetcher.cache.verifying() and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not fs.fetcher.cache.verifying(), "the cache's check did not end within 10 s"
     remote.stats.reset()
     fh = fs.open("/m", os.O_RDONLY)
     assert fs.passes_through(fh) and backings.live == {fs.passes_through(fh): data}
