@@ -525,8 +525,8 @@ class ChunkCache:
         if chunks <= 0:
             return None
         with self._lock:
-            entries = self._whole_locked(object_id, chunks, size)
-            if entries is None or not all(entry.verified for entry in entries):
+            entries = self._whole_locked(object_id, chunks, size, verified=True)
+            if entries is None:
                 return None
             path = entries[0].path
             try:
@@ -540,15 +540,17 @@ class ChunkCache:
             self._unpunched.add(path)  # maps of it may outlive the pin
             return fd
 
-    def _whole_locked(self, object_id: str, chunks: int, size: int) -> list[_Entry] | None:
+    def _whole_locked(self, object_id: str, chunks: int, size: int,
+                      verified: bool = False) -> list[_Entry] | None:
         """The ``chunks`` entries of a version cached whole (``size`` bytes, each chunk at its
-        offset in the one data file), in order; None if one is missing."""
+        offset in the one data file; ``verified``: each checked since the start), in order;
+        None if one is missing (or unverified)."""
         path = self._data_file(object_id)
         entries: list[_Entry] = []
         total = 0
         for index in range(chunks):
             entry = self._index.get((object_id, index))
-            if entry is None or entry.path != path or entry.offset != total:
+            if entry is None or entry.path != path or entry.offset != total or (verified and not entry.verified):
                 return None
             entries.append(entry)
             total += entry.size
@@ -560,15 +562,16 @@ class ChunkCache:
         keeps the cache, and the kernel is handed only verified files. True if a check was
         queued (not for a version not whole, already verified, or queued before)."""
         with self._lock:
-            entries = self._whole_locked(object_id, chunks, size) if chunks > 0 else None
-            if (entries is None or all(entry.verified for entry in entries)
-                    or object_id in self._verifying or self._closed):
+            if object_id in self._verifying or self._closed or chunks <= 0:
                 return False
-            self._verifying.add(object_id)
+            entries = self._whole_locked(object_id, chunks, size)
+            if entries is None or all(entry.verified for entry in entries):
+                return False
             if self._verifier is None:
                 self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-verify",
                                                     initializer=name_current)
             self._verifier.submit(self._verify, object_id, chunks)
+            self._verifying.add(object_id)
         return True
 
     def _verify(self, object_id: str, chunks: int) -> None:
@@ -591,10 +594,17 @@ class ChunkCache:
                         drop = None
                 except FileNotFoundError:
                     drop = "missing"
+                except OSError as exc:  # (the disk, not the chunk: it stays, for a read to check)
+                    log.warning("cannot check cached chunk %s of %s: %s", index, entry.path, exc)
+                    drop = None
+                    return
                 finally:
                     self._done(ikey, entry, None, drop=drop)
                 if drop:
                     return
+                with self._lock:
+                    if self._index.get(ikey) is not entry:
+                        return  # evicted or put again meanwhile: not that whole version any more
         except Exception:  # noqa: BLE001 - a check that failed leaves the version to the daemon's reads
             log.exception("checking the cached chunks of %s failed", object_id)
         finally:
@@ -832,6 +842,8 @@ class ChunkCache:
             verifier, self._verifier = self._verifier, None
         if verifier is not None:
             verifier.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._verifying.clear()  # (checks cancelled before they began)
         with self._lock:
             while self._fds:
                 self._shut_locked(next(iter(self._fds)))
