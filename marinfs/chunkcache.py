@@ -844,7 +844,6 @@ class ChunkCache:
             verifier.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._verifying.clear()  # (checks cancelled before they began)
-        with self._lock:
             while self._fds:
                 self._shut_locked(next(iter(self._fds)))
         if self._lock_fd is not None:

@@ -217,7 +217,7 @@ class Filesystem:
         # The version each key had when last opened: the kernel may keep its page cache for a
         # new open only if the version is unchanged (else it would serve the old bytes).
         self._kernel_versions: LRUCache[str, ObjectVersion | None] = LRUCache(maxsize=65536)
-        # The (size, mtime) each file's stat last told the kernel (kernel_info): an open whose
+        # The (size, time shown) each file's stat last told the kernel (kernel_info): an open whose
         # version has others makes the kernel ask again before it reads (Handle.stale_kernel_attrs).
         self._told: LRUCache[str, tuple[int, int]] = LRUCache(maxsize=65536)
         # The open read handles using the kernel's page cache of each key (one version each).
@@ -339,11 +339,12 @@ class Filesystem:
         return self.kernel_info(handle.key, info)
 
     def kernel_info(self, key: str, info: ObjectInfo) -> ObjectInfo:
-        """What the kernel is told of file ``key``: ``info``, but while readers here read a version
-        through the kernel's page cache, that version's stat. The kernel keeps one size per file
-        and stops those reads at it: another version's size would cut them short, or have the
-        kernel fill them with zeros up to it (and a map fault past it, SIGBUS). Handles of the
-        other version read around the page cache (direct I/O), to their own end."""
+        """What the kernel is told of file ``key``: ``info``, but while readers here read another
+        version through the kernel's page cache (or passed through), with that version's size
+        and time. The kernel keeps one size per file and stops those reads at it: another
+        version's size would cut them short, or have the kernel fill them with zeros up to it
+        (and a map fault past it, SIGBUS). Handles of the other version read around the page
+        cache (direct I/O), to their own end."""
         if info.is_dir or info.link:
             return info
         with self._lock:
