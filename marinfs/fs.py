@@ -821,6 +821,11 @@ class Filesystem:
             raise FsError(errno.EISDIR, key)
         if info.link:  # the kernel resolves links before an open: only O_NOFOLLOW's answer here
             raise FsError(errno.ELOOP, key)
+        if flags & os.O_TRUNC and not writable and info.size > 0:
+            # O_RDONLY|O_TRUNC empties the file, as on a local disk (POSIX leaves it open; the
+            # kernel has checked the caller may write it): then it is read as such.
+            self.truncate(path, 0)
+            info = self.lookup(key)
         staged = self._writer_staged(key, info, bool(flags & os.O_TRUNC)) if writable else None
         handle = Handle(key=key, flags=flags, info=info, staged=staged)
         with self._lock:

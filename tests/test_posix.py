@@ -791,6 +791,23 @@ def test_rsync_a_twice_with_a_remount_between_sends_nothing_the_second_time(stor
         same_tree(src, mnt / "dst")
 
 
+def test_o_rdonly_o_trunc_empties_the_file_as_on_a_local_disk(store: Store, tmp_path: Path) -> None:
+    disk = tmp_path / "disk-file"
+    disk.write_bytes(b"hello")
+    os.close(os.open(disk, os.O_RDONLY | os.O_TRUNC))
+    assert disk.read_bytes() == b""  # what the kernel's own filesystems do
+    with store.mount() as (mnt, core):
+        (mnt / "f").write_bytes(b"hello")
+        fd = os.open(mnt / "f", os.O_RDONLY | os.O_TRUNC)
+        try:
+            assert os.fstat(fd).st_size == 0 and os.read(fd, 10) == b""
+        finally:
+            os.close(fd)
+        assert (mnt / "f").read_bytes() == b""
+    with store.mount() as (mnt, core):
+        assert (mnt / "f").read_bytes() == b""
+
+
 def test_chmod_x_then_the_script_runs_here_and_after_a_remount(store: Store) -> None:
     with store.mount() as (mnt, core):
         (mnt / "run.sh").write_text("#!/bin/sh\necho ran \"$1\"\n")
