@@ -12,8 +12,8 @@ MOUNT := $(or $(MARINFS_MOUNT),./mnt)
 .PHONY: run test test-fast soak bench bench-charts bench-rw bench-deps bench-peers peer-deps install system-deps libfuse venv clean
 
 system-deps:
-	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null && command -v setfattr >/dev/null || \
-	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs attr; }
+	@command -v fusermount3 >/dev/null && command -v rsync >/dev/null && command -v s3fs >/dev/null && command -v setfattr >/dev/null && command -v openssl >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq fuse3 rsync s3fs attr openssl; }
 
 # libfuse >= 3.17 lets the kernel read files the chunk cache holds whole by itself (FUSE
 # passthrough, docs/caching.md). Debian 12 ships 3.14: this builds Debian 13's 3.17 source

@@ -612,6 +612,62 @@ def test_get_into_reads_the_body_into_the_buffer_and_maps_every_answer(server: s
         assert g.get_into("b/k", start, start + 100, None, buf) == 100 and bytes(buf) == BODY[start:start + 100]
 
 
+def test_chunk_gets_keep_their_connection_and_drop_a_broken_one(server: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_into`` goes over connections of our own (httpbody.Connections): one connection
+    serves GET after GET, an error's answer read to its end leaves it usable, and one left
+    unusable (a body cut short, a timeout, a server closing it while idle) is never reused: the
+    next GET opens another and succeeds on its first try."""
+    monkeypatch.setattr(Scripted, "protocol_version", "HTTP/1.1")  # keep-alive, as S3 answers
+    g = getter(server, [])
+    buf = memoryview(bytearray(100))
+    for start in (0, 100, 200):
+        assert g.get_into("b/k", start, start + 100, None, buf) == 100 and bytes(buf) == BODY[start:start + 100]
+    assert g.kept.opened == 1
+    Scripted.script = ["404"]
+    with pytest.raises(FileNotFoundError):
+        g.get_into("b/k", 0, 100, None, buf)
+    assert g.get_into("b/k", 300, 400, None, buf) == 100 and g.kept.opened == 1
+    Scripted.script = ["truncated"]
+    try:
+        assert g.get_into("b/k", 0, 100, None, buf) == 10
+    except ConnectionError:
+        pass
+    assert g.get_into("b/k", 400, 500, None, buf) == 100 and bytes(buf) == BODY[400:500] and g.kept.opened == 2
+    Scripted.script = ["slow"]
+    with pytest.raises(TimeoutError):
+        g.get_into("b/k", 0, 100, None, buf)
+    assert g.get_into("b/k", 500, 600, None, buf) == 100 and g.kept.opened == 3
+    (_, idle), = g.kept._idle
+    idle.sock.shutdown(2)  # as a server closing an idle connection looks: readable, EOF
+    assert g.get_into("b/k", 600, 700, None, buf) == 100 and bytes(buf) == BODY[600:700] and g.kept.opened == 4
+    g.close()
+    assert not g.kept._idle
+
+
+def test_chunk_gets_over_tls_check_the_certificate_as_urllib3_does(tmp_path: Any) -> None:
+    """Over HTTPS the kept connections check the server's certificate against the system's CAs,
+    a CA bundle given as ``verify``, or not at all with ``verify=False``: a self-signed server
+    is refused by the first and read by the other two."""
+    from marinfs.remote import is_transient
+    from scripted import self_signed
+
+    Scripted.script, Scripted.seen = [], []
+    cert, key = self_signed(tmp_path)
+    with serving(Scripted, tls=(cert, key)) as base:
+        def presign(full: str, expires: int, method: str, **_: Any) -> str:
+            return f"{base}/{full}?X-Amz-Signature=1"
+
+        buf = memoryview(bytearray(100))
+        with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED") as refused:
+            S3Http(presign, connect_timeout=1, read_timeout=2).get_into("b/k", 0, 100, None, buf)
+        assert is_transient(refused.value)  # as urllib3's SSLError is: the retry loop decides
+        for verify in (str(cert), False):
+            g = S3Http(presign, connect_timeout=1, read_timeout=2, verify=verify)
+            assert g.get_into("b/k", 10, 110, None, buf) == 100 and bytes(buf) == BODY[10:110]
+            g.close()
+
+
 def test_read_into_on_s3_matches_read_range_retries_short_bodies_and_is_stale_on_412(
         s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """S3Remote.read_into (the chunk fetcher's path): the same bytes as read_range, read from the
@@ -719,10 +775,10 @@ def test_a_part_leaves_the_staging_file_with_its_crc32c(server: str, tmp_path: A
             g.put_part_range("b/k", "up-1", 5, fd, 0, 10, "crc32c")
         assert Scripted.bodies[-1] == data[:10]
         if sendfile:
-            (_, kept), = g._idle
+            (_, kept), = g.kept._idle
             kept.sock.shutdown(2)  # as a server closing an idle connection looks: readable, EOF
             assert g.put_part_range("b/k", "up-1", 6, fd, 0, 10, "crc32c")[2] == 10  # a new one, first try
-            assert g._idle[0][1] is not kept
+            assert g.kept._idle[0][1] is not kept
     finally:
         os.close(fd)
 

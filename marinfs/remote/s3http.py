@@ -10,7 +10,8 @@ lifetime), so credentials, endpoints and addressing style are exactly s3fs's.
 
 A chunk fetch goes one step further (``get_into``): the body is read with http.client's
 ``readinto`` straight into the chunk's pooled buffer (socket ``recv_into``, the GIL released
-while it waits), never a ``bytes`` in between (httpbody.py, shared with GCS's gcshttp.py).
+while it waits), never a ``bytes`` in between, on a connection of our own kept between GETs
+(httpbody.Connections, half the CPU a request of urllib3's pool; shared with GCS's gcshttp.py).
 
 Upload parts leave from the staging file itself (``put_part_range``): summed in 1 MiB blocks
 read into a buffer each sending thread reuses, then sent from the file descriptor with
@@ -109,8 +110,8 @@ class S3Http:
         self._lock = threading.Lock()
         self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
         self.sendfile = True  # plain-HTTP parts leave the staging file by sendfile (tests turn it off)
-        self._idle: list[tuple[tuple[str, int], http.client.HTTPConnection]] = []  # kept for parts
-        self._idle_max = max_connections
+        # Chunk GETs and plain-HTTP parts: connections of our own, kept (httpbody.py).
+        self.kept = httpbody.Connections(connect_timeout, read_timeout, verify, max_idle=max_connections)
         self._blocks = _Blocks()
 
     def _url(self, full: str, fresh: bool = False, method: str = "get_object") -> str:
@@ -129,12 +130,13 @@ class S3Http:
     def _send(self, method: str, what: str, url: Callable[[bool], str], headers: dict[str, str] | None = None,
               body: bytes | None = None, ok: tuple[int, ...] = (200,),
               answers: dict[int, Callable[[], Exception]] | None = None,
-              preload: bool = True, transport: Callable[[str], _Answer] | None = None) -> Any:
+              preload: bool = True, transport: Callable[[str], Any] | None = None) -> Any:
         """One request; a 403 signs again once (an expired or revoked signature). Statuses in
         ``answers`` raise their exception, transient ones ConnectionError (retried by the caller's
         Remote._call), anything else EIO. Without ``preload``, an answer in ``ok`` comes back
         with its body unread (the caller reads it and gives the connection back). ``transport``
-        sends the request to a URL itself (a part sent from a file) instead of urllib3."""
+        sends the request to a URL itself (a part sent from a file, a GET on a kept connection)
+        instead of urllib3."""
         for attempt in (1, 2):
             try:
                 if transport is not None:
@@ -196,7 +198,8 @@ class S3Http:
             headers["If-Match"] = f'"{etag}"'
         resp = self._send("GET", full, lambda fresh: self._url(full, fresh), headers, ok=(200, 206, 416), answers={
             412: lambda: StaleVersionError(f"{full} is no longer version {etag}"),
-            404: lambda: FileNotFoundError(2, "no such object", full)}, preload=False)
+            404: lambda: FileNotFoundError(2, "no such object", full)}, preload=False,
+            transport=lambda url: self.kept.request("GET", url, headers))
         return httpbody.read_into(resp, buf, start, full)
 
     def get_whole(self, full: str) -> tuple[bytes, str]:
@@ -328,8 +331,8 @@ class S3Http:
                     sent += got
 
             return self.pool.request("PUT", url, headers=headers, body=body(), preload_content=True)
-        where = (parts.hostname or "", parts.port or 80)
-        conn = self._connection(where)
+        where = ("http", parts.hostname or "", parts.port or 80)
+        conn = self.kept.get(where)
         reusable = False
         try:
             conn.putrequest("PUT", f"{parts.path}?{parts.query}" if parts.query else parts.path or "/",
@@ -347,31 +350,9 @@ class S3Http:
             return _Answer(resp.status, resp.headers, data)
         finally:
             if reusable:
-                with self._lock:
-                    if len(self._idle) < self._idle_max:
-                        self._idle.append((where, conn))
-                        conn = None  # type: ignore[assignment]
-            if conn is not None:
+                self.kept.keep(where, conn)
+            else:
                 conn.close()
-
-    def _connection(self, where: tuple[str, int]) -> http.client.HTTPConnection:
-        """An idle connection to ``where`` kept from an earlier part, else a new one. A kept
-        connection the server has closed meanwhile (readable while idle: EOF) is dropped, as
-        urllib3 does, rather than failing the part's first attempt."""
-        while True:
-            with self._lock:
-                found = next((i for i in range(len(self._idle) - 1, -1, -1) if self._idle[i][0] == where), None)
-                kept = None if found is None else self._idle.pop(found)[1]
-            if kept is None:
-                break
-            if kept.sock is not None and not select.select([kept.sock], [], [], 0)[0]:
-                return kept
-            kept.close()
-        conn = http.client.HTTPConnection(where[0], where[1], timeout=self._connect_timeout)
-        conn.connect()
-        conn.sock.settimeout(self._read_timeout)
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
 
     def list(self, bucket: str, prefix: str, sign: Callable[[dict[str, str]], str],
              on_page: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
@@ -400,10 +381,7 @@ class S3Http:
     def close(self) -> None:
         """Close the connections kept for reuse (a daemon ends, a test drops its remote)."""
         self.pool.clear()
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for _, conn in idle:
-            conn.close()
+        self.kept.close()
 
 
 def _sendfile(sock: socket.socket, fd: int, offset: int, count: int, timeout: float | None) -> None:
