@@ -1104,6 +1104,38 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
     return "\n".join(out)
 
 
+REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
+
+
+def reported_kib() -> int | None:
+    """KiB of freed memory the guest has handed back to its host so far (virtio free page
+    reporting), None where the kernel does not report."""
+    try:
+        return int(REPORTED_KIB.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fresh_page_us(mib: int = 256) -> float:
+    """Microseconds to fault in one page of memory never touched by this process (an anonymous
+    map, written once by C): ~1 µs on bare metal, several times that on a VM whose freed memory
+    went back to its host, where every page allocated again (page cache, buffers) pays a
+    hypervisor fault. Machines of the same kind differ here from run to run."""
+    import ctypes
+    import mmap
+
+    mm = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = (ctypes.c_char * (mib << 20)).from_buffer(mm)
+        t0 = time.perf_counter()
+        ctypes.memset(buf, 1, mib << 20)
+        secs = time.perf_counter() - t0
+        del buf
+    finally:
+        mm.close()
+    return secs / ((mib << 20) // mmap.PAGESIZE) * 1e6
+
+
 def versions(env: Env) -> dict[str, str]:
     from importlib import metadata
 
@@ -1160,6 +1192,7 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="marinfs-bench-", dir="/dev/shm"))
     t_start = time.monotonic()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
+    reported_start, page_us_start = reported_kib(), fresh_page_us()
     env: Env | None = None
     s3 = None
     try:
@@ -1219,9 +1252,14 @@ def main() -> None:
         elapsed = round(time.monotonic() - t_start, 1)
         table = render(rows, R, bool(a.latency_ms))
         load_end = Path("/proc/loadavg").read_text().split()[:3]
+        reported_end, page_us_end = reported_kib(), fresh_page_us()
         header = (f"marinfs bench, latency {a.latency_ms:g} ms, {a.size_mib} MiB, {a.reps} reps, "
                   f"{time.strftime('%Y-%m-%d %H:%M %Z')}; load average {' '.join(load_start)} at start, "
-                  f"{' '.join(load_end)} at end; {elapsed:.0f} s")
+                  f"{' '.join(load_end)} at end; {elapsed:.0f} s; a fresh page cost {page_us_start:.1f} µs "
+                  f"at start, {page_us_end:.1f} at end")
+        if reported_start is not None and reported_end is not None:
+            header += (f"; free page reporting on: {(reported_end - reported_start) / 2**20:.1f} GiB of freed "
+                       f"memory went back to the host during the run (docs/benchmarks.md, Session 17)")
         header += ("\n\nclient = the marinfs daemon, the s3fs-fuse process, this process for the direct "
                    "clients, the streamer's process (over its load) for Run:ai, the reader itself for "
                    "local ext4; reader = the dd / loader processes (kernel time of FUSE requests lands "
@@ -1231,6 +1269,8 @@ def main() -> None:
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                   "machine": pb.machine(), "versions": versions(env),
                   "loadavg": {"start": load_start, "end": load_end}, "seconds": {**env.seconds, "total": elapsed},
+                  "fresh_page_us": {"start": round(page_us_start, 2), "end": round(page_us_end, 2)},
+                  "reported_kib": {"start": reported_start, "end": reported_end},
                   "rows": [r.__dict__ for r in rows], "notes": R.notes, "failures": R.failures,
                   "samples": {row: {t: [s.__dict__ for s in ss] for t, ss in tools_.items()}
                               for row, tools_ in R.samples.items()},
