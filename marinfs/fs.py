@@ -150,6 +150,9 @@ def _shown_time(info: ObjectInfo) -> int:
     return posix.mtime_ns if posix is not None and posix.mtime_ns is not None else info.mtime_ns
 
 
+_UNSURE = (-1, -1)  # _told: the kernel may hold either of two answers
+
+
 def _with_size_and_time(info: ObjectInfo, size: int, shown: int) -> ObjectInfo:
     """``info`` showing ``size`` and the time ``shown`` (what the kernel keeps of a file's version)."""
     posix = info.posix
@@ -354,11 +357,17 @@ class Filesystem:
                 # (Only what the kernel uses of it: the rest, a chmod say, is the file's now.)
                 group = self._present(users.info)
                 info = _with_size_and_time(info, group.size, _shown_time(group))
-            self._told[key] = (info.size, _shown_time(info))
+            shown = (info.size, _shown_time(info))
+            told = self._told.get(key)
+            # Two different answers: the kernel keeps the one whose request it sent last, which
+            # need not be the one made last (answers computed across a change and written back
+            # out of order; it drops the older request's): it may hold either.
+            self._told[key] = shown if told is None or told == shown else _UNSURE
         return info
 
     def _told_other_locked(self, key: str, info: ObjectInfo) -> bool:
-        """Whether the kernel was last told of ``key`` another size or time than ``info``'s."""
+        """Whether the kernel may hold another size or time of ``key`` than ``info``'s: it was
+        told another, or two different ones since it last dropped them."""
         shown = self._present(info)
         return self._told.get(key) != (shown.size, _shown_time(shown))
 
@@ -368,6 +377,9 @@ class Filesystem:
         there, or fill them with zeros up to it). Answered once per handle."""
         handle = self._handle(fh)
         stale, handle.stale_kernel_attrs = handle.stale_kernel_attrs, False
+        if stale:
+            with self._lock:
+                self._told.pop(handle.key, None)  # the kernel drops them now: what it is told next
         return stale
 
     def readdir(self, path: str) -> list[ObjectInfo]:

@@ -786,6 +786,25 @@ def test_fs_an_open_makes_the_kernel_drop_another_versions_size_before_it_reads(
         fs.release(fh)
 
 
+def test_fs_after_two_different_answers_an_open_makes_the_kernel_ask_again(fs: Filesystem, remote: Remote) -> None:
+    """The kernel keeps the attributes of the getattr it sent last, not of the one answered
+    last: two answers computed across a change and written back out of order leave it the
+    older one (the churn test's failure: a reader of the new version cut at the old size). So
+    once it was told two different sizes, the next open has it drop what it holds, whichever."""
+    put(remote, "a", b"0123456789")
+    assert fs.getattr("/a").size == 10
+    put(remote, "a", b"a longer version")
+    fs.metadata.forget("a")
+    assert fs.getattr("/a").size == 16  # (the kernel may have taken the 10 sent after this)
+    h = fs.open("/a", os.O_RDONLY)
+    assert fs.kernel_attrs_stale(h)
+    assert fs.fgetattr(h).size == 16  # asked again: one answer since, that one held
+    h2 = fs.open("/a", os.O_RDONLY)
+    assert not fs.kernel_attrs_stale(h2)
+    for fh in (h, h2):
+        fs.release(fh)
+
+
 def test_fs_a_handle_moves_on_only_to_a_version_no_longer_than_the_one_it_opened(fs: Filesystem,
                                                                                   remote: Remote) -> None:
     put(remote, "a", b"one")
