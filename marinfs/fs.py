@@ -117,6 +117,10 @@ class PageUsers:
     info: ObjectInfo  # that version's stat: what the kernel is told of the file while they read
     count: int = 0
     filled: bool = False  # one of them served bytes: the page cache may hold this version's
+    # Made by an open that has the kernel drop the file's pages (another version's may be there):
+    # the kernel does so once that open's reply reaches it, which may come after another open of
+    # them and its reads. Until one of them served bytes, every open of them drops the pages.
+    dropping: bool = False
     written: bool = False  # a writer here opened the file meanwhile: its pages are the writes'
     # The version's data file in the chunk cache, registered with the kernel: every handle of
     # these reads it by itself (FUSE passthrough), none through the daemon or the page cache.
@@ -875,12 +879,14 @@ class Filesystem:
             else:
                 previous = self._kernel_versions.get(key)
                 handle.keep_kernel_cache = (tracked and key not in self._staged
-                                            and (previous == info.version or self.metadata.is_immutable(key)))
+                                            and (previous == info.version or self.metadata.is_immutable(key))
+                                            and not (users is not None and users.dropping and not users.filled))
                 self._kernel_versions[key] = None if writable else info.version
                 if tracked:
                     if users is None:
                         users = self._page_users[key] = PageUsers(key, info.version, info,
-                                                                  written=key in self._staged)
+                                                                  written=key in self._staged,
+                                                                  dropping=not handle.keep_kernel_cache)
                     users.count += 1
                     handle.page_users = users
                     handle.stale_kernel_attrs = self._told_other_locked(key, info)
