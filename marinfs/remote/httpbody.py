@@ -1,13 +1,13 @@
 """The body of a ranged GET read straight into a caller's buffer, for the backends that send their
-own data requests over urllib3 (S3: s3http.py, GCS: gcshttp.py).
+own data requests (S3: s3http.py, GCS: gcshttp.py), and the connections they send them on.
 
 A chunk fetch hands us a slice of a pooled, page-aligned buffer (buffers.py). http.client's
-``readinto`` on urllib3's raw response fills it from the socket (``recv_into``, the GIL released
+``readinto`` on the raw response fills it from the socket (``recv_into``, the GIL released
 while it waits): no ``bytes`` of the body is ever made, so Python never touches the bytes. What
 cannot be read in place (a 200 of the whole object from a server that ignored the range, an
 encoded body) is read and copied in, never refused; bytes of another offset are refused.
 
-One place maps urllib3's and http.client's failures to what the one retry loop (remote/base.py)
+One place maps http.client's failures to what the one retry loop (remote/base.py)
 expects: a timeout is TimeoutError, a refused, reset or cut-short connection ConnectionError.
 
 Our requests go over :class:`Connections`, http.client connections of our own kept between
@@ -28,9 +28,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
-
-import urllib3
-import urllib3.exceptions
 
 Where = tuple[str, str, int]  # scheme, host, port
 
@@ -173,29 +170,20 @@ class Answer:
             conn.close()
 
 
-def request(pool: urllib3.PoolManager | Connections, method: str, url: str, what: str,
-            headers: dict[str, str] | None = None, body: bytes | None = None, preload: bool = True) -> Any:
-    """One request over ``pool`` (urllib3's, or our kept connections); failures as TimeoutError
-    / ConnectionError. Without ``preload`` the body is left unread (:func:`read_into` or
-    :func:`discard` then)."""
-    if isinstance(pool, Connections):
-        try:
-            resp = pool.request(method, url, headers, body)
-            if preload:
-                resp.data  # noqa: B018 - read now, the connection given back
-                resp.release_conn()
-            return resp
-        except TimeoutError as exc:  # socket.timeout
-            raise TimeoutError(f"{method} {what}: {exc}") from None
-        except (OSError, http.client.HTTPException) as exc:  # refused, reset, closed under us...
-            raise ConnectionError(f"{method} {what}: {exc!r}") from None
+def request(pool: Connections, method: str, url: str, what: str,
+            headers: dict[str, str] | None = None, body: bytes | None = None, preload: bool = True) -> Answer:
+    """One request on our kept connections; failures as TimeoutError / ConnectionError. Without
+    ``preload`` the body is left unread (:func:`read_into` or :func:`discard` then)."""
     try:
-        return pool.request(method, url, headers=headers, body=body, preload_content=preload,
-                            decode_content=preload)
-    except urllib3.exceptions.TimeoutError as exc:
+        resp = pool.request(method, url, headers, body)
+        if preload:
+            resp.read()  # read now, the connection given back
+            resp.release_conn()
+        return resp
+    except TimeoutError as exc:  # socket.timeout
         raise TimeoutError(f"{method} {what}: {exc}") from None
-    except urllib3.exceptions.HTTPError as exc:  # refused, reset, truncated body...
-        raise ConnectionError(f"{method} {what}: {exc}") from None
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, closed under us...
+        raise ConnectionError(f"{method} {what}: {exc!r}") from None
 
 
 def discard(resp: Any) -> bytes:
@@ -251,8 +239,8 @@ def read_into(resp: Any, buf: memoryview, start: int, what: str,
         return n
     except TimeoutError as exc:  # socket.timeout: the read timeout
         raise TimeoutError(f"GET {what}: {exc}") from None
-    except (OSError, urllib3.exceptions.HTTPError) as exc:
-        if isinstance(exc, OSError) and exc.errno == 5:
+    except OSError as exc:
+        if exc.errno == 5:
             raise
         raise ConnectionError(f"GET {what}: {exc}") from None
     except http.client.HTTPException as exc:  # IncompleteRead and kin: a body cut short
