@@ -87,6 +87,12 @@ class MountConfig:
     negative_ttl: float = setting(1.0, kind=SECONDS, low=0, help="seconds a 'does not exist' is trusted")
     list_ttl: float | None = setting(None, kind=SECONDS, low=0, doc_default="`metadata_ttl`",
                                      help="seconds a directory listing is trusted")
+    # Inode numbers: how long libfuse keeps a node the kernel forgot, so its number stays.
+    inode_ttl: float = setting(
+        3600.0, kind=SECONDS, low=0, high=2**31 - 1,
+        help="seconds a file or directory keeps its inode number once the kernel forgot it",
+        doc="seconds a file or directory keeps its inode number once the kernel forgot it (`tar -x` "
+            "and `find` compare them; see [semantics.md](semantics.md#namespace)); 0 renumbers at once")
     # Globs of paths whose objects never change once written: cached without revalidation.
     immutable: tuple[str, ...] = setting(
         (), kind=GLOBS, routes=_NOT_FSTAB,

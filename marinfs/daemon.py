@@ -195,7 +195,7 @@ def run_foreground(cfg: MountConfig) -> None:
     try:
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),
-              negative_timeout=min(cfg.negative_ttl, 1.0))
+              negative_timeout=min(cfg.negative_ttl, 1.0), inode_ttl=cfg.inode_ttl)
     except RuntimeError as exc:
         # libfuse answers 8 when its loop ended on a signal (SIGTERM from systemd or kill):
         # that is a normal stop once the mount was live. Anything else is a failed mount.

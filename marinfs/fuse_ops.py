@@ -16,6 +16,7 @@ import fcntl
 import functools
 import itertools
 import logging
+import math
 import os
 import stat
 import struct
@@ -530,7 +531,7 @@ class _Fuse(fuse.FUSE):
 
 
 def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool,
-          allow_other: bool, attr_timeout: float, negative_timeout: float,
+          allow_other: bool, attr_timeout: float, negative_timeout: float, inode_ttl: float,
           foreground: bool = True) -> None:
     """Run the FUSE loop until unmounted. Blocks; raises RuntimeError if the mount fails."""
     options: dict[str, Any] = {
@@ -547,6 +548,12 @@ def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool
         # .fuse_hidden* name, which every node would see (and object stores would store).
         # fs.unlink keeps an open file's staged bytes usable through its descriptors.
         "hard_remove": True,
+        # st_ino is libfuse's node id, which it drops once the kernel forgets the inode (its
+        # dentry timed out when released, or memory was short) and renumbers at the next
+        # lookup: tar -x then fails ("Directory renamed before its status could be extracted")
+        # and find sees a directory change under it. Keeping forgotten nodes (an entry of
+        # ~150 bytes each) for inode_ttl keeps every number that is in use stable.
+        "remember": math.ceil(inode_ttl),
         # libfuse 3.14 passes its "unlimited" default of max_idle_threads (UINT_MAX) through its
         # own range check and warns "Ignoring invalid max threads value 4294967295" at every
         # mount. Its thread limit is 10 (max_threads), so keeping 10 idle is the same thing.

@@ -138,6 +138,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
     tiers.check("mount FUSE (inprocess_mount)")
     from marinfs.chunkcache import ChunkCache
+    from marinfs.config import MountConfig
     from marinfs.fs import Filesystem
     from marinfs.fuse_ops import FuseAdapter, serve
     from marinfs.metadata import MetadataCache
@@ -158,7 +159,8 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     def run() -> None:
         try:
             serve(adapter, str(mnt), fsname=url, read_only=fs.read_only, allow_other=False,
-                  attr_timeout=min(metadata_ttl, 1.0), negative_timeout=min(negative_ttl, 1.0))
+                  attr_timeout=min(metadata_ttl, 1.0), negative_timeout=min(negative_ttl, 1.0),
+                  inode_ttl=MountConfig.inode_ttl)
         except BaseException as exc:  # noqa: BLE001 - reported to the test below
             errors.append(exc)
 

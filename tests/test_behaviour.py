@@ -176,6 +176,26 @@ def test_mv_directory_moves_every_object(mounted_dir: Mounted) -> None:
     assert sorted(os.listdir(mounted_dir.mnt / "dst")) == ["s0", "s1"]
 
 
+def test_inode_numbers_stay_when_the_kernel_forgets_the_inodes(mounted_dir: Mounted) -> None:
+    # tar -x compares a directory's number at mkdir and at its end ("Directory renamed before
+    # its status could be extracted"), find at each step; memory pressure makes the kernel
+    # forget idle inodes meanwhile, as drop_caches does here.
+    m = mounted_dir.mnt
+    (m / "d/e").mkdir(parents=True)
+    (m / "d/e/f").write_text("x")
+    os.symlink("e/f", m / "d/link")
+    names = ["d", "d/e", "d/e/f", "d/link"]
+    before = {n: os.lstat(m / n).st_ino for n in names}
+    assert len(set(before.values())) == len(names)
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert {n: os.lstat(m / n).st_ino for n in names} == before
+    os.rename(m / "d/e/f", m / "d/g")  # a rename keeps the number, as on a disk
+    assert os.lstat(m / "d/g").st_ino == before["d/e/f"]
+    (m / "d/e/f").write_text("new")  # a new file under the old name is another inode
+    assert os.lstat(m / "d/e/f").st_ino not in before.values()
+
+
 def test_append_overwrite_middle_truncate(mounted_dir: Mounted) -> None:
     path = mounted_dir.mnt / "f.bin"
     path.write_bytes(b"0123456789")

@@ -44,6 +44,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "read_only": True, "allow_other": True, "uid": 1234, "gid": 4321,
         "file_mode": 0o600, "dir_mode": 0o700, "log_level": "debug", "log_file": str(tmp / "daemon.log"),
         "cache_dir": str(tmp / "cache"), "metadata_ttl": 7.5, "negative_ttl": 2.5, "list_ttl": 3.5,
+        "inode_ttl": 60.0,
         "immutable": ["ckpt/**", "*.bin"], "list_prefetch": False, "chunk_size": 1 << 20,
         "cache_size": 64 << 20, "cache_min_free": 2 << 20, "prefetch_workers": 3,
         "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
