@@ -548,12 +548,14 @@ def serve(adapter: FuseAdapter, mountpoint: str, *, fsname: str, read_only: bool
         # .fuse_hidden* name, which every node would see (and object stores would store).
         # fs.unlink keeps an open file's staged bytes usable through its descriptors.
         "hard_remove": True,
-        # st_ino is libfuse's node id, which it drops once the kernel forgets the inode (its
-        # dentry timed out when released, or memory was short) and renumbers at the next
+        # st_ino is libfuse's node id, which it drops once the kernel forgets the inode (when
+        # memory runs short, or by drop_caches) and renumbers at the next
         # lookup: tar -x then fails ("Directory renamed before its status could be extracted")
         # and find sees a directory change under it. Keeping forgotten nodes (an entry of
-        # ~150 bytes each) for inode_ttl keeps every number that is in use stable.
+        # ~250 bytes each) for inode_ttl keeps every number that is in use stable, and
+        # readdir_ino gives a plain readdir's entries those numbers (not "unknown", 2**32-1).
         "remember": math.ceil(inode_ttl),
+        "readdir_ino": True,
         # libfuse 3.14 passes its "unlimited" default of max_idle_threads (UINT_MAX) through its
         # own range check and warns "Ignoring invalid max threads value 4294967295" at every
         # mount. Its thread limit is 10 (max_threads), so keeping 10 idle is the same thing.

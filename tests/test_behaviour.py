@@ -190,6 +190,8 @@ def test_inode_numbers_stay_when_the_kernel_forgets_the_inodes(mounted_dir: Moun
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("2\n")
     assert {n: os.lstat(m / n).st_ino for n in names} == before
+    for _ in range(2):  # readdirplus, then (attributes cached) a plain readdir: d_ino agrees
+        assert {e.name: e.inode() for e in os.scandir(m / "d")} == {"e": before["d/e"], "link": before["d/link"]}
     os.rename(m / "d/e/f", m / "d/g")  # a rename keeps the number, as on a disk
     assert os.lstat(m / "d/g").st_ino == before["d/e/f"]
     (m / "d/e/f").write_text("new")  # a new file under the old name is another inode
