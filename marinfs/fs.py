@@ -275,13 +275,27 @@ class Filesystem:
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         if self.listings is not None:
             self.listings.note_miss(key)
+        info, cached = self._ask_stat(key)
+        if not cached:
+            # This node changed the key while the remote answered (a commit, say): the answer
+            # may be of before. What this node knows now, else the remote once more.
+            info = self._known(key) or self._ask_stat(key)[0]
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", key)
+        return info
+
+    def _ask_stat(self, key: str) -> tuple[ObjectInfo | None, bool]:
+        """The remote's stat of ``key`` (None: there is no such key) and whether it was cached:
+        not if this node changed the key while the remote answered."""
+        token = self.metadata.begin_stat(key)
         try:
             info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key), likely_link=self.metadata.was_link(key))
         except FileNotFoundError:
-            self.metadata.put_missing(key)
-            raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
-        self.metadata.put_stat(info)
-        return info
+            return None, self.metadata.end_stat(key, token, None, missing=True)
+        except BaseException:
+            self.metadata.end_stat(key, token, None)
+            raise
+        return info, self.metadata.end_stat(key, token, info)
 
     def _known(self, key: str) -> ObjectInfo | None:
         """What lookup() answers for ``key`` without asking the remote, or None."""
@@ -480,12 +494,17 @@ class Filesystem:
             return info.posix
         if info.link:
             return NO_ATTRS
+        token = self.metadata.begin_stat(key)
         try:
             fresh = self.remote.stat(key, likely_dir=info.is_dir)
         except FileNotFoundError:
+            self.metadata.end_stat(key, token, None)
             self.metadata.invalidate(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
-        self.metadata.put_stat(fresh)
+        except BaseException:
+            self.metadata.end_stat(key, token, None)
+            raise
+        self.metadata.end_stat(key, token, fresh)  # not cached if this node changed it meanwhile
         if fresh.posix is None and fresh.is_dir:
             return self._listed_posix(key)
         return fresh.posix if fresh.posix is not None else NO_ATTRS

@@ -72,6 +72,9 @@ class MetadataCache:
         # Directory -> tokens of its listings in flight that no local change has overtaken yet
         # (see begin_listing). Entries live only while a listing is in flight.
         self._fetching: dict[str, set[int]] = {}
+        # Key -> tokens of its stats in flight that no local change of it has overtaken yet
+        # (see begin_stat). Entries live only while a stat is in flight.
+        self._stating: dict[str, set[int]] = {}
         self._tokens = itertools.count(1)
 
     def was_dir(self, key: str) -> bool:
@@ -111,16 +114,47 @@ class MetadataCache:
             self._put_locked(info)
 
     def put_missing(self, key: str) -> None:
+        with self._lock:
+            self._put_missing_locked(key)
+
+    def _put_missing_locked(self, key: str) -> None:
         if self.negative_ttl <= 0:
             return
+        self._missing[key] = True
+        self._stats.pop(key, None)
+        self._pinned.pop(key, None)
+        parent = posixpath.dirname(key)
+        listing = self._listings.get(parent)
+        if listing is not None and key in listing:
+            del self._listings[parent]  # it listed what is gone
+
+    def begin_stat(self, key: str) -> int:
+        """A stat of ``key`` goes to the remote; pass the token to :meth:`end_stat`.
+
+        One sent before our own change of the key (a commit, unlink, rename, chmod) and answered
+        after it describes the object before the change: cached, it would show this node the
+        old version (or none) of a file it just wrote, for the TTL.
+        """
         with self._lock:
-            self._missing[key] = True
-            self._stats.pop(key, None)
-            self._pinned.pop(key, None)
-            parent = posixpath.dirname(key)
-            listing = self._listings.get(parent)
-            if listing is not None and key in listing:
-                del self._listings[parent]  # it listed what is gone
+            token = next(self._tokens)
+            self._stating.setdefault(key, set()).add(token)
+            return token
+
+    def end_stat(self, key: str, token: int, info: ObjectInfo | None, missing: bool = False) -> bool:
+        """Whether no local change of ``key`` happened since begin_stat; if none did, cache
+        ``info``, or with ``missing`` that there is no such key (neither: the stat failed)."""
+        with self._lock:
+            tokens = self._stating.get(key)
+            if tokens is None or token not in tokens:
+                return False
+            tokens.discard(token)
+            if not tokens:
+                del self._stating[key]
+            if info is not None:
+                self._put_locked(info)
+            elif missing:
+                self._put_missing_locked(key)
+            return True
 
     def get_listing(self, key: str) -> list[ObjectInfo] | None:
         with self._lock:
@@ -174,6 +208,11 @@ class MetadataCache:
         for d in dirs:
             self._fetching.pop(d, None)
 
+    def _overtaken_locked(self, *keys: str) -> None:
+        """We changed these keys: stats of them in flight may be stale."""
+        for k in keys:
+            self._stating.pop(k, None)
+
     def listed_missing(self, key: str) -> bool:
         """Whether the parent's listing, still fresh, lacks ``key``: then it does not exist, and
         asking the remote would cost a HEAD and a LIST (``tar -x`` into a new directory)."""
@@ -188,6 +227,7 @@ class MetadataCache:
             self._stats.pop(info.name, None)
             self._pinned.pop(info.name, None)
             self._put_locked(info)
+            self._overtaken_locked(info.name)
             self._changed_locked(posixpath.dirname(info.name))
             listing = self._listings.get(posixpath.dirname(info.name))
             if listing is not None:
@@ -198,6 +238,7 @@ class MetadataCache:
         with self._lock:
             for cache in (self._stats, self._pinned, self._missing):
                 cache.pop(key, None)
+            self._overtaken_locked(key)
 
     def invalidate(self, key: str) -> None:
         """Forget ``key`` and its parent's listing (its entry may have appeared or gone)."""
@@ -205,6 +246,7 @@ class MetadataCache:
             for cache in (self._stats, self._pinned, self._missing, self._listings):
                 cache.pop(key, None)
             self._listings.pop(posixpath.dirname(key), None)
+            self._overtaken_locked(key)
             self._changed_locked(key, posixpath.dirname(key))
 
     def invalidate_tree(self, key: str) -> None:
@@ -215,6 +257,7 @@ class MetadataCache:
                 for name in [n for n in list(cache.keys()) if n == key or n.startswith(prefix)]:
                     cache.pop(name, None)
             self._listings.pop(posixpath.dirname(key), None)
+            self._overtaken_locked(*[k for k in self._stating if k == key or k.startswith(prefix)])
             self._changed_locked(posixpath.dirname(key),
                                  *[d for d in self._fetching if d == key or d.startswith(prefix)])
 
@@ -223,3 +266,4 @@ class MetadataCache:
             for cache in (self._stats, self._pinned, self._missing, self._listings, self._was_dir):
                 cache.clear()
             self._fetching.clear()
+            self._stating.clear()

@@ -221,6 +221,30 @@ def test_metadata_invalidate() -> None:
     assert cache.get_stat("dd") is not None  # a sibling sharing the prefix "d" is kept
 
 
+def test_metadata_a_stat_overtaken_by_our_own_change_is_not_cached() -> None:
+    cache = MetadataCache(timer=FakeClock())
+    token = cache.begin_stat("a")
+    assert cache.end_stat("a", token, info("a")) and cache.get_stat("a") == info("a")
+    token = cache.begin_stat("a")
+    cache.put_own(info("a", size=9))  # committed here while the remote answered the stat
+    assert not cache.end_stat("a", token, info("a")) and cache.get_stat("a").size == 9
+    token = cache.begin_stat("new")
+    cache.put_own(info("new"))
+    assert not cache.end_stat("new", token, None, missing=True)
+    assert not cache.is_missing("new") and cache.get_stat("new") == info("new")
+    for change in (cache.forget, cache.invalidate, lambda k: cache.invalidate_tree("d"), lambda k: cache.clear()):
+        token = cache.begin_stat("d/f")
+        change("d/f")
+        assert not cache.end_stat("d/f", token, None, missing=True) and not cache.is_missing("d/f")
+    first, second = cache.begin_stat("m"), cache.begin_stat("m")  # two in flight, no change
+    assert cache.end_stat("m", first, None) and cache.end_stat("m", second, None, missing=True)
+    assert cache.is_missing("m")
+    token = cache.begin_stat("dd")
+    cache.invalidate_tree("d")  # not below d
+    assert cache.end_stat("dd", token, info("dd"))
+    assert cache._stating == {}  # nothing left behind once the stats ended
+
+
 # -- writer ------------------------------------------------------------------------------------
 class Seeder:
     def __init__(self, content: bytes) -> None:
@@ -589,6 +613,50 @@ def test_fs_metadata_cache_saves_requests(fs: Filesystem, remote: Remote) -> Non
     assert len(fs.readdir("/")) == 2
     assert fs.getattr("/b").size == 2 and len(fs.readdir("/")) == 2  # the listing filled b's stat
     assert remote.stats.snapshot()["requests"] == {"list": 1}
+
+
+@pytest.mark.parametrize("before", [b"v1", None])
+def test_fs_a_stat_in_flight_while_this_node_commits_does_not_hide_the_commit(
+        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch, before: bytes | None) -> None:
+    """A stat sent before this node's commit and answered after it describes the object of
+    before (or none): cached, this node would show its own new file as the old one, or as
+    missing, for the TTL."""
+    if before is not None:
+        put(remote, "state.json", before)
+    real_stat, asked, answer = fs.remote.stat, threading.Event(), threading.Event()
+
+    def slow_stat(key: str, **kwargs: Any) -> ObjectInfo:
+        try:
+            found: ObjectInfo | FileNotFoundError = real_stat(key, **kwargs)  # the answer as of now
+        except FileNotFoundError as exc:
+            found = exc
+        if key == "state.json" and not asked.is_set():
+            asked.set()
+            answer.wait(10)
+        if isinstance(found, FileNotFoundError):
+            raise found
+        return found
+
+    monkeypatch.setattr(fs.remote, "stat", slow_stat)
+    seen: list[Any] = []
+
+    def stat_it() -> None:
+        try:
+            seen.append(fs.getattr("/state.json"))
+        except FileNotFoundError as exc:
+            seen.append(exc)
+
+    stat = threading.Thread(target=stat_it)
+    stat.start()
+    assert asked.wait(10)
+    write_file(fs, "/state.json", b"version two")
+    answer.set()
+    stat.join(10)
+    assert len(seen) == 1 and isinstance(seen[0], ObjectInfo) and seen[0].size == 11  # what is known now
+    assert fs.getattr("/state.json").size == 11
+    fh = fs.open("/state.json", os.O_RDONLY)
+    assert fs.read(fh, 100, 0) == b"version two"
+    fs.release(fh)
 
 
 def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, remote: Remote) -> None:
