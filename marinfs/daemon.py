@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -42,6 +43,12 @@ def state_file(mountpoint: str) -> Path:
 
 
 def check_mountpoint(mountpoint: str) -> None:
+    try:
+        os.statvfs(mountpoint)  # not cached by the kernel, unlike a stat of the mount's root
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon died (killed, out of memory)
+            raise UsageError(f"{mountpoint} is a mount whose daemon is gone (transport endpoint is not "
+                             f"connected): `marinfs umount --lazy {mountpoint}` frees it") from None
     if not os.path.lexists(mountpoint):
         raise UsageError(f"mountpoint {mountpoint} does not exist")
     if os.path.ismount(mountpoint):

@@ -28,6 +28,10 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
         if state.exists():
             info = json.loads(state.read_text())
             item["pid"] = info.get("pid")
+            if not _is_daemon(item["pid"]):
+                item["problem"] = (f"its daemon is gone (PID {item['pid']} ended): the mount answers nothing; "
+                                   f"`marinfs umount --lazy {entry.mountpoint}` frees it, and the next mount on its "
+                                   "cache directory commits what was staged")
             if "settings" in info:  # what the daemon runs with, after file < env < flags
                 item["settings"] = info["settings"]
             stats = stats_file(Path(info.get("cache_dir", "")))
@@ -40,6 +44,16 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             item["problem"] = "no daemon state (started by another user, or the daemon died)"
         out.append(item)
     return out
+
+
+def _is_daemon(pid: object) -> bool:
+    """Whether ``pid`` is still a marinfs process (not one that ended, or took its number since)."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        return b"marinfs" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def format_status(items: list[dict[str, Any]]) -> str:
