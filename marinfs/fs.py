@@ -12,6 +12,7 @@ I/O; a staged file has its own lock, and the caches below lock themselves.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import errno
 import itertools
 import logging
@@ -543,11 +544,19 @@ class Filesystem:
         handle = self._handle(fh) if fh is not None else None
         staged = handle.staged if handle is not None and handle.staged is not None else self._staged.get(key)
         if staged is not None:
-            with staged.lock:  # (waits for a commit in flight, which may leave it clean)
+            # Held throughout: waits for a commit in flight (which may leave it clean), and no
+            # commit of its writer comes between the update below and the writer's new base.
+            with staged.lock:
                 if staged.unlinked or staged.dirty:
                     current = staged.attrs or NO_ATTRS
                     staged.set_attrs(self._normalized(change(current), False, current))
-                    return
+                else:
+                    self._change_stored_attrs(key, change, staged)
+            return
+        self._change_stored_attrs(key, change, None)
+
+    def _change_stored_attrs(self, key: str, change: Callable[[PosixAttrs], PosixAttrs],
+                             staged: StagedFile | None) -> None:
         info = self.lookup(key)
         if info.link:
             return
@@ -567,6 +576,9 @@ class Filesystem:
                 # The store's metadata update gives the object a new timestamp: keep the one
                 # shown, as chmod on a disk leaves the mtime alone.
                 new = replace(new, mtime_ns=self._present(info).mtime_ns)
+            # Taken before the update is sent: an own change of the key meanwhile (a commit
+            # of a writer that opened since) makes this update's answer too old to cache.
+            token = self.metadata.begin_stat(key)
             try:
                 version = self.remote.set_attrs(key, new, info.version)
             except PreconditionFailed:
@@ -580,22 +592,25 @@ class Filesystem:
             except FileNotFoundError:
                 self.metadata.invalidate(key)
                 raise
-            self._attrs_set(key, info, new, version, staged)
+            except BaseException:
+                self.metadata.end_stat(key, token, None)  # (forget and invalidate drop it too)
+                raise
+            self._attrs_set(key, info, new, version, staged, token)
             return
 
     def _attrs_set(self, key: str, info: ObjectInfo, attrs: PosixAttrs, version: ObjectVersion | None,
-                   staged: StagedFile | None) -> None:
+                   staged: StagedFile | None, token: int | None = None) -> None:
         """After a metadata-only update: cache what the store answered (no stat after it), and
         keep an open writer's base on the new version, so its commit is not a conflict with our
         own chmod."""
         if version is None:
-            self.metadata.forget(key)  # the store did not say: the next lookup asks
+            self.metadata.forget(key, changed=True)  # the store did not say: the next lookup asks
         else:
             with self._lock:
                 own = self._own_mtimes.get(key)
                 if own is not None and own[0] == info.version:
                     self._own_mtimes[key] = (version, own[1])
-            self.metadata.put_own(replace(info, version=version, posix=attrs))
+            self.metadata.put_own(replace(info, version=version, posix=attrs), token)
         if staged is not None and not staged.unlinked:
             with staged.lock:
                 if staged.dirty or staged.base_version != info.version:
@@ -750,8 +765,10 @@ class Filesystem:
         with self._lock:
             if staged.refs > 0:
                 return  # reopened meanwhile
-            if self._staged.get(staged.key) is staged:
-                del self._staged[staged.key]
+            # By identity: a directory rename may have moved it in the table but not yet
+            # given it its new key (see _move_staged).
+            for key in [k for k, s in self._staged.items() if s is staged]:
+                del self._staged[key]
         staged.discard()
         if staged.kept:
             error = staged.last_error
@@ -1164,9 +1181,14 @@ class Filesystem:
     fsync = flush
 
     def _commit(self, staged: StagedFile) -> None:
+        with staged.lock:  # (a rename's rekey, a chmod: not between the upload and the cache)
+            self._commit_locked(staged)
+
+    def _commit_locked(self, staged: StagedFile) -> None:
         if not staged.dirty or staged.unlinked:
             return
         key = staged.key
+        token = self.metadata.begin_stat(key)
         try:
             done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect,
                                                                       set_attrs=self._set_streamed_attrs),
@@ -1198,11 +1220,15 @@ class Filesystem:
             # Learn the committed object's own metadata (version, timestamp) now: a listing will
             # report the same, so tools that compare stats (tar) never see a change that was not.
             self.metadata.forget(key)
+            token = self.metadata.begin_stat(key)
             try:
                 info = self.remote.stat(key)
             except FileNotFoundError:
                 self.metadata.invalidate(key)
                 return  # unlinked or renamed meanwhile by someone else
+            except BaseException:
+                self.metadata.end_stat(key, token, None)
+                raise
         # The next commit of this file replaces exactly what we wrote: the version the upload
         # answered (a stat could already show a later writer's object), else the stat's.
         staged.base_version = version or info.version
@@ -1211,7 +1237,7 @@ class Filesystem:
         if info.version:
             with self._lock:
                 self._own_mtimes[key] = (info.version, staged.mtime_ns)
-        self.metadata.put_own(info)
+        self.metadata.put_own(info, token)
         self._entries_changed(key)
 
     def _entries_changed(self, *keys: str) -> None:
@@ -1224,7 +1250,7 @@ class Filesystem:
         for key in keys:
             parent = posixpath.dirname(key)
             if parent:
-                self.metadata.forget(parent)
+                self.metadata.forget(parent, changed=True)
 
     def _present(self, info: ObjectInfo) -> ObjectInfo:
         """``info`` as a stat shows it: the writer's time for the version it committed, and on a
@@ -1523,9 +1549,11 @@ class Filesystem:
             moved = []
             for k in moving:
                 staged = self._staged.pop(k)
-                staged.rekey(dst + k[len(src):])
-                self._staged[staged.key] = staged
-                moved.append(staged)
+                self._staged[dst + k[len(src):]] = staged
+                moved.append((staged, dst + k[len(src):]))
+        for staged, new_key in moved:
+            staged.rekey(new_key)  # (its lock outside ours: a rename holds it while it takes ours)
+        moved = [staged for staged, _ in moved]
         for staged in moved:
             # The rename made a new object: the writer's next commit replaces that one.
             try:
@@ -1537,6 +1565,13 @@ class Filesystem:
 
     def _rename_file(self, src: str, dst: str) -> None:
         staged = self._staged.get(src)
+        if staged is None:
+            self._rename_file_locked(src, dst, None)
+            return
+        with staged.lock:  # no flush of its writer between the remote rename and the rekey
+            self._rename_file_locked(src, dst, staged)
+
+    def _rename_file_locked(self, src: str, dst: str, staged: StagedFile | None) -> None:
         if staged is not None:
             self._commit(staged)  # the remote must hold the bytes we are about to move
         replaced = self._staged.get(dst)
@@ -1547,13 +1582,19 @@ class Filesystem:
 
     def _rename_dir(self, src: str, dst: str) -> None:
         with self._lock:
-            pending = [s for k, s in self._staged.items() if k.startswith(src + "/")]
-        for staged in pending:
-            self._commit(staged)
-        # One rename(2) on a local disk; on object stores every object is copied, then the
-        # originals are deleted: not atomic (documented).
-        self.remote.rename_tree(src, dst)
-        self._move_staged(src, dst)
+            pending = sorted((k, s) for k, s in self._staged.items() if k.startswith(src + "/"))
+        with contextlib.ExitStack() as held:
+            # Their writers' flushes wait until they are moved: one between the copy and the
+            # move would commit to the old name, gone by then (in key order: no deadlock
+            # with another rename of the tree).
+            for _, staged in pending:
+                held.enter_context(staged.lock)
+            for _, staged in pending:
+                self._commit(staged)
+            # One rename(2) on a local disk; on object stores every object is copied, then the
+            # originals are deleted: not atomic (documented).
+            self.remote.rename_tree(src, dst)
+            self._move_staged(src, dst)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close_all(self) -> None:

@@ -220,10 +220,20 @@ class MetadataCache:
             listing = self._listings.get(posixpath.dirname(key))
             return listing is not None and key not in listing
 
-    def put_own(self, info: ObjectInfo) -> None:
+    def put_own(self, info: ObjectInfo, token: int | None = None) -> None:
         """We just created or committed ``info``: cache its stat and add it to its parent's
-        listing if that is cached (instead of dropping the listing, as for others' changes)."""
+        listing if that is cached (instead of dropping the listing, as for others' changes).
+        ``token`` (begin_stat, taken before the change was sent): if another change of ours of
+        the key overtook it meanwhile, ``info`` may be older than that change: dropped instead."""
         with self._lock:
+            if token is not None:
+                tokens = self._stating.get(info.name)
+                if tokens is None or token not in tokens:  # the next lookup asks the remote
+                    self._stats.pop(info.name, None)
+                    self._pinned.pop(info.name, None)
+                    self._listings.pop(posixpath.dirname(info.name), None)  # (its entry may be as old)
+                    self._changed_locked(posixpath.dirname(info.name))
+                    return
             self._stats.pop(info.name, None)
             self._pinned.pop(info.name, None)
             self._put_locked(info)
@@ -233,12 +243,15 @@ class MetadataCache:
             if listing is not None:
                 listing[info.name] = info
 
-    def forget(self, key: str) -> None:
-        """Forget what we knew of ``key`` alone (its parent's listing stays valid)."""
+    def forget(self, key: str, changed: bool = False) -> None:
+        """Forget what we knew of ``key`` alone (its parent's listing stays valid). ``changed``:
+        we changed it, so a listing of its parent in flight may carry its stat of before."""
         with self._lock:
             for cache in (self._stats, self._pinned, self._missing):
                 cache.pop(key, None)
             self._overtaken_locked(key)
+            if changed:
+                self._changed_locked(posixpath.dirname(key))
 
     def invalidate(self, key: str) -> None:
         """Forget ``key`` and its parent's listing (its entry may have appeared or gone)."""
