@@ -499,13 +499,17 @@ class Filesystem:
         try:
             fresh = self.remote.stat(key, likely_dir=info.is_dir)
         except FileNotFoundError:
-            self.metadata.end_stat(key, token, None)
+            if not self.metadata.end_stat(key, token, None):
+                return self._posix_of(key, self.lookup(key))  # made here meanwhile: as it is now
             self.metadata.invalidate(key)
             raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
         except BaseException:
             self.metadata.end_stat(key, token, None)
             raise
-        self.metadata.end_stat(key, token, fresh)  # not cached if this node changed it meanwhile
+        if not self.metadata.end_stat(key, token, fresh):
+            # This node changed it while the remote answered: the answer may be of before (a
+            # chmod merged onto it would undo the change).
+            return self._posix_of(key, self.lookup(key))
         if fresh.posix is None and fresh.is_dir:
             return self._listed_posix(key)
         return fresh.posix if fresh.posix is not None else NO_ATTRS

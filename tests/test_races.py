@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from marinfs.fs import Filesystem
+from marinfs.objects import ObjectInfo
 from marinfs.remote import Remote
 from test_core import W, cat, fs, write_file  # noqa: F401 - fs is a fixture
 
@@ -178,3 +179,28 @@ def test_a_listing_in_flight_never_recaches_a_directory_whose_entries_changed_he
     fs.set_attributes("/d", mtime_ns=t0)  # tar/rsync: d's time back as it was
     assert shown == on_disk, f"d shows its mtime of before this node's commit in it: {shown} (disk: {on_disk})"
     assert os.stat(remote.full("d")).st_mtime_ns == t0
+
+
+def test_attributes_a_listing_lacked_are_asked_again_when_this_node_made_the_file_meanwhile(
+        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An S3 listing entry may come without attributes; their stat, sent before this node made
+    the file and answered "missing" after it, failed a chmod or getxattr with ENOENT."""
+    real, asked, go = fs.remote.stat, threading.Event(), threading.Event()
+
+    def stale_stat(key: str, **kwargs: Any) -> Any:
+        if asked.is_set():
+            return real(key, **kwargs)
+        asked.set()
+        go.wait(10)
+        raise FileNotFoundError(key)  # the answer of before the file was made here
+
+    monkeypatch.setattr(fs.remote, "stat", stale_stat)
+    listed = ObjectInfo(name="a", is_dir=False, size=0, version=None, posix=None)  # no record
+    t, out = run(lambda: fs._posix_of("a", listed))
+    assert asked.wait(10)
+    write_file(fs, "/a", b"made here")
+    fs.set_attributes("/a", mode=0o600)
+    go.set()
+    t.join(10)
+    assert len(out) == 1 and not isinstance(out[0], BaseException), out
+    assert out[0].mode == 0o600
