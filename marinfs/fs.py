@@ -11,8 +11,8 @@ I/O; a staged file has its own lock, and the caches below lock themselves.
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import errno
 import itertools
 import logging
@@ -1550,15 +1550,13 @@ class Filesystem:
         with self._lock:
             replaced = self._staged.pop(dst, None)
             moving = [k for k in self._staged if k == src or k.startswith(src + "/")]
-            moved = []
+            moves = []
             for k in moving:
                 staged = self._staged.pop(k)
                 self._staged[dst + k[len(src):]] = staged
-                moved.append((staged, dst + k[len(src):]))
-        for staged, new_key in moved:
+                moves.append((staged, dst + k[len(src):]))
+        for staged, new_key in moves:
             staged.rekey(new_key)  # (its lock outside ours: a rename holds it while it takes ours)
-        moved = [staged for staged, _ in moved]
-        for staged in moved:
             # The rename made a new object: the writer's next commit replaces that one.
             try:
                 staged.base_version = self.remote.stat(staged.key).version
