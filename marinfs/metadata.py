@@ -229,8 +229,8 @@ class MetadataCache:
             if token is not None:
                 tokens = self._stating.get(info.name)
                 if tokens is None or token not in tokens:  # the next lookup asks the remote
-                    self._stats.pop(info.name, None)
-                    self._pinned.pop(info.name, None)
+                    for cache in (self._stats, self._pinned, self._missing):
+                        cache.pop(info.name, None)
                     self._listings.pop(posixpath.dirname(info.name), None)  # (its entry may be as old)
                     self._changed_locked(posixpath.dirname(info.name))
                     return
