@@ -301,13 +301,14 @@ def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
         raise MountError(f"cannot unmount {mountpoint}: {reason}")
     if pid:
         deadline = time.monotonic() + timeout
-        while _alive(pid):
+        while alive(pid):
             if time.monotonic() > deadline:
                 raise MountError(f"{mountpoint} is unmounted but daemon {pid} is still running")
             time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -136,20 +136,14 @@ class MetadataCache:
         old version (or none) of a file it just wrote, for the TTL.
         """
         with self._lock:
-            token = next(self._tokens)
-            self._stating.setdefault(key, set()).add(token)
-            return token
+            return self._give_locked(self._stating, key)
 
     def end_stat(self, key: str, token: int, info: ObjectInfo | None, missing: bool = False) -> bool:
         """Whether no local change of ``key`` happened since begin_stat; if none did, cache
         ``info``, or with ``missing`` that there is no such key (neither: the stat failed)."""
         with self._lock:
-            tokens = self._stating.get(key)
-            if tokens is None or token not in tokens:
+            if not self._take_locked(self._stating, key, token):
                 return False
-            tokens.discard(token)
-            if not tokens:
-                del self._stating[key]
             if info is not None:
                 self._put_locked(info)
             elif missing:
@@ -185,23 +179,34 @@ class MetadataCache:
         rename) and answered after it may lack the change: end_listing then drops it.
         """
         with self._lock:
-            token = next(self._tokens)
-            self._fetching.setdefault(key, set()).add(token)
-            return token
+            return self._give_locked(self._fetching, key)
 
     def end_listing(self, key: str, token: int, children: Iterable[ObjectInfo] | None) -> bool:
         """Whether no local change in ``key`` happened since begin_listing; if none did, cache
         ``children`` (None: the listing failed, nothing to cache)."""
         with self._lock:
-            tokens = self._fetching.get(key)
-            if tokens is None or token not in tokens:
+            if not self._take_locked(self._fetching, key, token):
                 return False
-            tokens.discard(token)
-            if not tokens:
-                del self._fetching[key]
             if children is not None:
                 self._put_listing_locked(key, children)
             return True
+
+    def _give_locked(self, in_flight: dict[str, set[int]], key: str) -> int:
+        """A token for a request about ``key`` now in flight (a stat, a listing)."""
+        token = next(self._tokens)
+        in_flight.setdefault(key, set()).add(token)
+        return token
+
+    @staticmethod
+    def _take_locked(in_flight: dict[str, set[int]], key: str, token: int) -> bool:
+        """Whether ``token`` still stands (no own change of ``key`` took it back); spent either way."""
+        tokens = in_flight.get(key)
+        if tokens is None or token not in tokens:
+            return False
+        tokens.discard(token)
+        if not tokens:
+            del in_flight[key]
+        return True
 
     def _changed_locked(self, *dirs: str) -> None:
         """We changed these directories: listings of them in flight may be stale."""
@@ -226,14 +231,12 @@ class MetadataCache:
         ``token`` (begin_stat, taken before the change was sent): if another change of ours of
         the key overtook it meanwhile, ``info`` may be older than that change: dropped instead."""
         with self._lock:
-            if token is not None:
-                tokens = self._stating.get(info.name)
-                if tokens is None or token not in tokens:  # the next lookup asks the remote
-                    for cache in (self._stats, self._pinned, self._missing):
-                        cache.pop(info.name, None)
-                    self._listings.pop(posixpath.dirname(info.name), None)  # (its entry may be as old)
-                    self._changed_locked(posixpath.dirname(info.name))
-                    return
+            if token is not None and token not in self._stating.get(info.name, ()):
+                for cache in (self._stats, self._pinned, self._missing):  # the next lookup asks
+                    cache.pop(info.name, None)
+                self._listings.pop(posixpath.dirname(info.name), None)  # (its entry may be as old)
+                self._changed_locked(posixpath.dirname(info.name))
+                return
             self._stats.pop(info.name, None)
             self._pinned.pop(info.name, None)
             self._put_locked(info)

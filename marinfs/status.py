@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from marinfs.chunkcache import stats_file
-from marinfs.daemon import state_file
+from marinfs.daemon import alive, state_file
 from marinfs.errors import UsageError
 from marinfs.mounts import live_mounts
 from marinfs.settings import human_size
@@ -28,7 +28,7 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
         if state.exists():
             info = json.loads(state.read_text())
             item["pid"] = info.get("pid")
-            if not _is_daemon(item["pid"]):
+            if not isinstance(item["pid"], int) or not alive(item["pid"]):
                 item["problem"] = (f"its daemon is gone (PID {item['pid']} ended): the mount answers nothing; "
                                    f"`marinfs umount --lazy {entry.mountpoint}` frees it, and the next mount on its "
                                    "cache directory commits what was staged")
@@ -44,16 +44,6 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             item["problem"] = "no daemon state (started by another user, or the daemon died)"
         out.append(item)
     return out
-
-
-def _is_daemon(pid: object) -> bool:
-    """Whether ``pid`` is still a marinfs process (not one that ended, or took its number since)."""
-    if not isinstance(pid, int):
-        return False
-    try:
-        return b"marinfs" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def format_status(items: list[dict[str, Any]]) -> str:

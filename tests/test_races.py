@@ -69,30 +69,24 @@ def writer_flushes_during(fs: Filesystem, fh: int, change: Any, reached: threadi
     return flushed
 
 
+@pytest.mark.parametrize("moved", ["file", "directory"])
 def test_a_rename_here_while_its_writer_flushes_moves_the_writes_too(
-        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
-    """logrotate: a file renamed here while a process here keeps writing it. A flush between
-    the remote rename and the staged file's new key went to the old name, found it gone, and
-    put its bytes in a conflict copy (close: ESTALE)."""
-    fh = fs.create("/a", os.O_CREAT | os.O_WRONLY)
+        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch, moved: str) -> None:
+    """logrotate, or a checkpoint directory moved while a shard is open: a flush between the
+    remote rename and the staged file's new key went to the old name, found it gone, and put
+    its bytes in a conflict copy (close: ESTALE)."""
+    src, dst, path, call = (("/a", "/b", "a", "rename") if moved == "file" else
+                            ("/d", "/e", "d/log", "rename_tree"))
+    if moved == "directory":
+        fs.mkdir("/d")
+    fh = fs.create("/" + path, os.O_CREAT | os.O_WRONLY)
     fs.write(fh, b"one", 0)
     fs.flush(fh)
-    reached, go = held(monkeypatch, fs.remote, "rename")
-    flushed = writer_flushes_during(fs, fh, lambda: fs.rename("/a", "/b"), reached, go)
+    reached, go = held(monkeypatch, fs.remote, call)
+    flushed = writer_flushes_during(fs, fh, lambda: fs.rename(src, dst), reached, go)
     assert flushed == [(3, None)], f"close() of the writer failed: {flushed!r}"
-    assert cat(remote, "b") == b"onetwo"
-
-
-def test_a_directory_rename_here_while_a_writer_inside_flushes_moves_the_writes_too(
-        fs: Filesystem, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
-    fs.mkdir("/d")
-    fh = fs.create("/d/log", os.O_CREAT | os.O_WRONLY)
-    fs.write(fh, b"one", 0)
-    fs.flush(fh)
-    reached, go = held(monkeypatch, fs.remote, "rename_tree")
-    flushed = writer_flushes_during(fs, fh, lambda: fs.rename("/d", "/e"), reached, go)
-    assert flushed == [(3, None)], f"close() of the writer failed: {flushed!r}"
-    assert cat(remote, "e/log") == b"onetwo" and cat(remote, "d/log") is None
+    new = dst[1:] + path[len(src) - 1:]
+    assert cat(remote, new) == b"onetwo" and cat(remote, path) is None
     assert fs._staged == {}  # released: nothing left in the table under either name
 
 
