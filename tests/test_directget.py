@@ -706,6 +706,77 @@ def test_read_into_on_s3_matches_read_range_retries_short_bodies_and_is_stale_on
         direct.read_into("obj", 0, 4, version, memoryview(bytearray(4)))
 
 
+def test_get_into_each_fills_the_buffers_in_turn_from_one_get(server: str) -> None:
+    """One GET whose body fills several buffers in turn, each said to have landed once full and
+    before the next is read; a body cut short lands none past the cut; a 200 of the whole object
+    is cut to the range."""
+    g = getter(server, [])
+    bufs = [memoryview(bytearray(n)) for n in (100, 100, 50)]
+    seen: list[tuple[int, bytes]] = []
+
+    def landed(i: int) -> None:
+        seen.append((i, b"".join(bytes(b) for b in bufs)))
+
+    assert g.get_into_each("b/k", 10, 260, "abc", bufs, landed) == 250
+    assert len(Scripted.seen) == 1 and {k.lower(): v for k, v in Scripted.seen[0].items()}["range"] == "bytes=10-259"
+    assert [i for i, _ in seen] == [0, 1, 2]
+    assert seen[0][1][:100] == BODY[10:110] and seen[1][1][:200] == BODY[10:210] and seen[2][1] == BODY[10:260]
+    seen.clear()
+    Scripted.script = ["truncated"]
+    try:
+        n = g.get_into_each("b/k", 0, 250, None, bufs, landed)
+    except ConnectionError:
+        n = 10
+    assert n == 10 and seen == []
+    Scripted.script = ["200"]
+    assert g.get_into_each("b/k", 3, 253, None, bufs, landed) == 250
+    assert [i for i, _ in seen] == [0, 1, 2] and seen[-1][1] == BODY[3:253]
+
+
+def test_read_into_each_on_s3_is_one_get_resumed_where_it_was_cut(s3_server: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3Remote.read_into_each (a sequential reader's run of chunks): one GET for all the buffers,
+    each landed in order; a body cut short is asked again only from the first buffer that had
+    not landed; a replaced object is ESTALE."""
+    from marinfs.remote.s3http import S3Http
+
+    direct, _ = direct_and_plain(s3_server, monkeypatch)
+    assert direct.streams_reads
+    data = os.urandom((3 << 20) + 5)
+    direct.fs.pipe_file(direct.full("obj"), data)
+    version = direct.stat("obj").version
+    sizes = (1 << 20, 1 << 20, (1 << 20) + 5)
+
+    def read(start: int = 0) -> tuple[list[memoryview], list[int]]:
+        bufs = [memoryview(bytearray(n)) for n in sizes]
+        landed: list[int] = []
+        direct.read_into_each("obj", start, version, bufs, landed.append)
+        return bufs, landed
+
+    direct.stats.reset()
+    bufs, landed = read()
+    assert b"".join(bytes(b) for b in bufs) == data and landed == [0, 1, 2]
+    assert direct.stats.count("get") == 1
+    real = S3Http.get_into_each
+    starts: list[int] = []
+
+    def cut_after_one(self: S3Http, full: str, start: int, end: int, etag: str | None,
+                      bufs: list[memoryview], landed: Any = None) -> int:
+        starts.append(start)
+        if len(starts) == 1:  # the first GET: one buffer's bytes, then the body stops
+            return real(self, full, start, start + len(bufs[0]), etag, bufs[:1], landed)
+        return real(self, full, start, end, etag, bufs, landed)
+
+    monkeypatch.setattr(S3Http, "get_into_each", cut_after_one)
+    direct.stats.reset()
+    bufs, landed = read()
+    assert b"".join(bytes(b) for b in bufs) == data and landed == [0, 1, 2]
+    assert starts == [0, 1 << 20] and direct.stats.count("get") == 2
+    direct.fs.pipe_file(direct.full("obj"), b"replaced")
+    with pytest.raises(StaleVersionError):
+        read()
+
+
 def test_a_refused_read_into_falls_back_to_s3fs_into_the_same_buffer(s3_server: Any) -> None:
     """A chunk fetch our signature cannot get (403) is read through s3fs, pinned the same way,
     into the caller's buffer; later ones go there at once. A denial s3fs meets too is the answer."""

@@ -1217,3 +1217,102 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     assert not any(d for _, d in opened)
     reader.close()
     fetcher.close()
+
+
+class EachFetch(IntoFetch):
+    """A remote that streams one GET into several buffers (``fetch_into_each``, as S3 does),
+    recording each GET's range; ``fail_after``: land that many buffers of the next run, then
+    fail as a connection cut mid-body would."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.fail_after: int | None = None
+
+    def each(self, key: str, start: int, version: str, bufs: list[memoryview], landed: Any) -> None:
+        end = start + sum(len(b) for b in bufs)
+        with self.lock:
+            self.calls.append((start, end))
+            fail, self.fail_after = self.fail_after, None
+        pos = start
+        for i, buf in enumerate(bufs):
+            if fail is not None and i == fail:
+                raise ConnectionError("cut short")
+            buf[:] = self.data[pos:pos + len(buf)]
+            pos += len(buf)
+            landed(i)
+
+
+def test_a_sequential_reader_gets_runs_of_chunks_one_get_each() -> None:
+    """Once its window is twice a run, a sequential reader's chunks are asked for in runs, one
+    GET a run (each chunk served as soon as it landed): every byte once, in a third of the GETs."""
+    data = os.urandom(40 * MiB)
+    fetch = EachFetch(data)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=MiB, memory_bytes=12 * MiB, fetch_into=fetch.into,
+                           fetch_into_each=fetch.each)
+    assert fetcher.run_chunks == 4
+    reader = ObjectReader(ref(len(data)), fetcher)
+    out = b"".join(reader.read(128 * KiB, off) for off in range(0, len(data), 128 * KiB))
+    assert out == data
+    assert covers(fetch.calls, len(data))
+    assert max(e - s for s, e in fetch.calls) == 4 * MiB
+    assert len(fetch.calls) < 40 // 2
+    assert fetcher.memory()["reserved"] == 0
+    fetcher.close()
+
+
+def test_without_a_streaming_remote_or_room_runs_are_single_chunks() -> None:
+    """No fetch_into_each, or a budget of fewer than three runs of two: one chunk a GET, as before."""
+    data = os.urandom(24 * MiB)
+    for each, budget in ((False, 12 * MiB), (True, 5 * MiB)):
+        fetch = EachFetch(data)
+        fetcher = ChunkFetcher(fetch, None, chunk_size=MiB, memory_bytes=budget, fetch_into=fetch.into,
+                               fetch_into_each=fetch.each if each else None)
+        reader = ObjectReader(ref(len(data)), fetcher)
+        assert b"".join(reader.read(256 * KiB, off) for off in range(0, len(data), 256 * KiB)) == data
+        assert covers(fetch.calls, len(data)) and max(e - s for s, e in fetch.calls) <= MiB
+        fetcher.close()
+
+
+def _fetched_all(fetcher: ChunkFetcher, timeout: float = 5.0) -> None:
+    """Wait until no chunk fetch is under way."""
+    deadline = time.monotonic() + timeout
+    while fetcher._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not fetcher._inflight
+
+
+def test_a_run_waits_for_room_for_all_of_it() -> None:
+    """A run starts only when the budget holds all its chunks: nothing is asked for, reserved or
+    held otherwise; once room is there, the whole run goes in one GET."""
+    fetch = EachFetch(DATA)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=MiB, memory_bytes=12 * MiB, fetch_into=fetch.into,
+                           fetch_into_each=fetch.each)
+    obj = ref()
+    assert fetcher.ahead_from(obj, 0, 9, run=4) == 9  # 4 + 4 + 1 chunks: two runs and one GET
+    _fetched_all(fetcher)
+    assert sorted(fetch.calls) == [(0, 4 * MiB), (4 * MiB, 8 * MiB), (8 * MiB, 9 * MiB)]
+    assert fetcher.ahead_from(obj, 9, 13, run=4) == 9  # 9 chunks held, room for 3: not started
+    assert len(fetch.calls) == 3 and fetcher.memory()["reserved"] == 0
+    fetcher.release(obj, range(0, 4))
+    assert fetcher.ahead_from(obj, 9, 13, run=4) == 13
+    _fetched_all(fetcher)
+    assert sorted(fetch.calls)[-1] == (9 * MiB, 13 * MiB)
+    fetcher.close()
+
+
+def test_a_run_cut_short_serves_what_landed_and_fetches_the_rest_again() -> None:
+    """A GET failing mid-run: the chunks that landed are served from memory, the others' waiters
+    get the error and nothing of them stays reserved, claimed or held; a later read fetches them."""
+    fetch = EachFetch(DATA)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=MiB, memory_bytes=12 * MiB, fetch_into=fetch.into,
+                           fetch_into_each=fetch.each)
+    obj = ref()
+    fetch.fail_after = 2
+    assert fetcher.ahead_from(obj, 0, 4, run=4) == 4
+    _fetched_all(fetcher)
+    assert fetcher.memory()["reserved"] == 0
+    assert fetcher.read(obj, 1, 0, MiB, split=False) == DATA[MiB:2 * MiB]
+    assert len(fetch.calls) == 1  # chunks 0 and 1 landed before the cut
+    assert fetcher.read(obj, 3, 5, 100, split=False) == DATA[3 * MiB + 5:3 * MiB + 105]
+    assert len(fetch.calls) == 2 and fetcher.memory()["reserved"] == 0
+    fetcher.close()
