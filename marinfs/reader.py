@@ -5,9 +5,7 @@ An object is read in fixed-size chunks. A chunk comes from memory (chunks fetche
 read lately, within the mount's budget below), else the on-disk :class:`ChunkCache`, else the remote; concurrent readers of
 one chunk share its fetch. While a handle reads sequentially, chunks ahead of it are fetched in
 parallel by a bounded pool (one ranged GET each), the window doubling up to ``max_window``
-chunks; any seek resets it. Where the remote streams one GET into several buffers
-(``fetch_into_each``: S3), a window of two runs or more asks for chunks in runs of
-``run_chunks``, one GET a run, each chunk answered as soon as its bytes are in. A reader that waits for a chunk nobody fetched yet (the first read,
+chunks; any seek resets it. A reader that waits for a chunk nobody fetched yet (the first read,
 a read after a seek) gets it as ``split`` parallel sub-range GETs: one stream of a loopback
 object store delivers 8 MiB in about twice the time parallel streams do.
 
@@ -77,9 +75,6 @@ def mem_available() -> int | None:
 
 Fetch = Callable[[str, int, int, Any], Any]  # (key, start, end, version) -> bytes or any buffer
 FetchInto = Callable[[str, int, int, Any, memoryview], None]  # the same bytes, into the buffer given
-# (key, start, version, buffers, landed): consecutive ranges from start, one per buffer, in one
-# request; landed(i) as soon as buffer i is full (Remote.read_into_each).
-FetchIntoEach = Callable[[str, int, Any, list[memoryview], Callable[[int], None]], None]
 
 
 @dataclass(eq=False)
@@ -99,16 +94,11 @@ class ChunkFetcher:
 
     def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
                  workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4,
-                 fetch_into: FetchInto | None = None, fetch_into_each: FetchIntoEach | None = None,
-                 run_chunks: int = 4) -> None:
+                 fetch_into: FetchInto | None = None) -> None:
         self.fetch = fetch
         # With ``fetch_into``, a chunk is fetched into a pooled page-aligned buffer (buffers.py)
         # that the disk cache writes from and readers copy from: no allocation, no copy more.
         self.fetch_into = fetch_into
-        # Where the remote streams one GET into several buffers, a sequential reader's chunks
-        # are asked for in runs of up to ``run_chunks`` a GET (never more than a third of the
-        # budget, so a run always finds room once the reader has read as much).
-        self.fetch_into_each = fetch_into_each if fetch_into is not None else None
         self.cache = cache
         self.chunk_size = chunk_size
         self._lock = threading.Lock()
@@ -116,7 +106,6 @@ class ChunkFetcher:
         # The budget: chunks in memory (_used) plus chunks asked for ahead and not landed yet
         # (_reserved) stay within it; only chunks not held and not waiting for the disk are evicted.
         self.memory_bytes = max(memory_bytes, chunk_size)
-        self.run_chunks = max(1, min(run_chunks, self.memory_bytes // chunk_size // 3))
         self._chunks: OrderedDict[ChunkKey, _Held] = OrderedDict()  # least recently used first
         self._used = 0
         self._reserved = 0
@@ -251,73 +240,6 @@ class ChunkFetcher:
             raise
         return True
 
-    def ahead_from(self, obj: ObjectRef, first: int, stop: int, load: bool = True, run: int = 1) -> int:
-        """:meth:`ahead` of chunks ``first`` to ``stop - 1`` in turn; answers the first one the
-        budget had no room for (``stop``: all were asked for). Where the remote streams one GET
-        into several buffers, chunks to fetch that follow each other go in runs of up to ``run``
-        a GET, a run started only once the budget has room for all of it."""
-        index = first
-        streams = run > 1 and self.fetch_into_each is not None
-        while index < stop:
-            n = self._run_of(obj, index, min(run, stop - index)) if streams else 0
-            if n < 2:
-                if not self.ahead(obj, index, load):
-                    return index
-                index += 1
-                continue
-            handled = self._ahead_run(obj, index, n)
-            if not handled:
-                return index
-            index += handled
-        return stop
-
-    def _run_of(self, obj: ObjectRef, index: int, most: int) -> int:
-        """How many chunks from ``index`` on (``most`` at most) nobody has, in memory, under
-        way or on disk: what one GET may fetch."""
-        n = 0
-        while n < most and (index + n) * self.chunk_size < obj.size:
-            ck = self.chunk_key(obj, index + n)
-            with self._lock:
-                if ck in self._chunks or ck in self._inflight:
-                    break
-            if self.cache is not None and self.cache.contains(ck):
-                break
-            n += 1
-        return n
-
-    def _ahead_run(self, obj: ObjectRef, index: int, n: int) -> int:
-        """Claim chunks ``index`` to ``index + n - 1`` for the reader ahead and fetch them in one
-        GET; answers how many were dealt with (0: the budget has no room for them all). A
-        chunk another thread claimed meanwhile ends the run there (it is held, and counted)."""
-        keys = [self.chunk_key(obj, i) for i in range(index, index + n)]
-        sizes = [self._size(obj, i) for i in range(index, index + n)]
-        with self._lock:
-            if not self._room_locked(sum(sizes)):
-                return 0
-            self._reserved += sum(sizes)
-            self._hold.update(keys)
-        claims: list[tuple[ChunkKey, Future[bytes], int]] = []
-        for ck, size in zip(keys, sizes):
-            future, owner = self._claim(ck)
-            if not owner:
-                break
-            claims.append((ck, future, size))
-        if len(claims) < n:
-            with self._lock:
-                self._reserved -= sum(sizes[len(claims):])
-        if claims:
-            try:
-                self._pool.submit(self._run_each, obj, index, claims)
-            except BaseException:
-                with self._lock:
-                    for ck, future, size in claims:
-                        self._reserved -= size
-                        self._inflight.pop(ck, None)
-                for _, future, _ in claims:
-                    future.set_exception(RuntimeError("the mount is closing"))
-                raise
-        return len(claims) + (len(claims) < n)
-
     def prefetch(self, obj: ObjectRef, index: int) -> Future[None] | None:
         """For the sweep (a dense random reader): start getting chunk ``index`` in the
         background unless it is in memory or under way (not held, outside the budget); answers
@@ -441,8 +363,26 @@ class ChunkFetcher:
                 data = self._fetch(obj, start, end, split=demand)
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
-            self._land(ck, future, data, reserved, keep=keep, loaded=loaded)
-            reserved = 0
+            with self._lock:
+                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep)
+                self._reserved -= reserved
+                reserved = 0
+                old = self._chunks.pop(ck, None)
+                if old is not None:
+                    self._used -= len(old.data)
+                self._chunks[ck] = entry
+                self._used += len(data)
+                self._trim_locked()
+            future.set_result(data)  # waiting readers go on while the chunk is written to disk
+            if self.cache is not None and not loaded:
+                self._writes.acquire()
+                with self._settled:
+                    self._pending_writes += 1
+                try:
+                    self._writer.submit(self._put, ck, entry)
+                except RuntimeError:  # shut down: the mount is going away
+                    self._written(ck, entry)
+                    self._wrote()
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
             future.set_exception(exc)
             if not isinstance(exc, Exception):
@@ -450,67 +390,9 @@ class ChunkFetcher:
         finally:
             with self._lock:
                 self._reserved -= reserved
-                if self._inflight.get(ck) is future:
-                    del self._inflight[ck]
+                self._inflight.pop(ck, None)
                 if future.exception() is not None:
                     self._hold.discard(ck)
-
-    def _run_each(self, obj: ObjectRef, index: int, claims: list[tuple[ChunkKey, Future[bytes], int]]) -> None:
-        """Fetch a run of chunks (claimed and reserved by _ahead_run) in one GET, each answered
-        and queued for the disk cache as soon as its bytes are in; a failure goes to the
-        chunks that had not landed."""
-        bufs = [self.buffers.take(size) for _, _, size in claims]
-        landed = 0
-
-        def land(i: int) -> None:
-            nonlocal landed
-            ck, future, size = claims[i]
-            self._land(ck, future, bufs[i], size)
-            landed = i + 1
-
-        try:
-            assert self.fetch_into_each is not None
-            self.fetch_into_each(obj.key, index * self.chunk_size, obj.version, bufs, land)
-            if landed < len(claims):
-                raise EOFError(f"short read of {obj.key}: {landed} of {len(claims)} chunks from chunk {index}")
-        except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
-            rest = claims[landed:]
-            with self._lock:
-                for ck, future, size in rest:
-                    self._reserved -= size
-                    if self._inflight.get(ck) is future:
-                        del self._inflight[ck]
-                    self._hold.discard(ck)
-            for _, future, _ in rest:
-                future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-
-    def _land(self, ck: ChunkKey, future: Future[bytes], data: Any, reserved: int, keep: bool = False,
-              loaded: bool = False) -> None:
-        """Chunk ``ck`` is in memory: into the budget (its reservation taken back), answered to
-        its waiters, then queued for the disk cache unless it came from there (``loaded``)."""
-        with self._lock:
-            entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep)
-            self._reserved -= reserved
-            old = self._chunks.pop(ck, None)
-            if old is not None:
-                self._used -= len(old.data)
-            self._chunks[ck] = entry
-            self._used += len(data)
-            self._trim_locked()
-            if self._inflight.get(ck) is future:
-                del self._inflight[ck]
-        future.set_result(data)  # waiting readers go on while the chunk is written to disk
-        if self.cache is not None and not loaded:
-            self._writes.acquire()
-            with self._settled:
-                self._pending_writes += 1
-            try:
-                self._writer.submit(self._put, ck, entry)
-            except RuntimeError:  # shut down: the mount is going away
-                self._written(ck, entry)
-                self._wrote()
 
     def _load(self, ck: ChunkKey, size: int) -> Any:
         """Chunk ``ck`` (``size`` bytes) from the disk cache into a pooled buffer; None if the
@@ -615,7 +497,6 @@ class ObjectReader:
         size = len(dest)
         if offset >= obj.size or size <= 0:
             return 0
-        chunks = -(-obj.size // cs)
         end = min(offset + size, obj.size)
         first, last = offset // cs, (end - 1) // cs
         released: set[int] = set()
@@ -633,13 +514,7 @@ class ObjectReader:
             window = self._window
             # Ask only for chunks not asked for yet: each read moves the window by a chunk at most.
             start = max(last + 1, self._ahead + 1) if window else last + 1
-            stop = last + 1 + window
-            # A window of twice a run or more asks in whole runs (one GET each where the remote
-            # streams them): until a run's worth is missing, the chunks in flight are enough.
-            run = self._fetcher.run_chunks if window >= 2 * self._fetcher.run_chunks else 1
-            if run > 1 and stop - start < run and stop < chunks:
-                stop = start  # nothing asked for yet: the window is full enough
-            self._ahead = max(self._ahead, stop - 1) if window else last
+            self._ahead = max(self._ahead, last + window) if window else last
             self._asked.update(range(first, last + 1 + window))
             start_sweep = self._dense(first, last, random=not window)
         released.difference_update(range(first, last + 1))
@@ -651,13 +526,13 @@ class ObjectReader:
         # past one chunk, it is. Not for a handle being swept: the sweep has the page cache
         # read the chunks already (an O_DIRECT load would read them from the disk a second time).
         load = window > 1 and self._sweep is None
-        if start < stop:
-            index = self._fetcher.ahead_from(obj, start, stop, load=load, run=run)
-            if index < stop:
+        for index in range(start, last + 1 + window):
+            if not self._fetcher.ahead(obj, index, load=load):
                 # The mount's budget is taken: this reader's window ends here for now.
                 with self._lock:
                     self._ahead = min(self._ahead, index - 1)
                     self._asked.difference_update(range(index, last + 1 + window))
+                break
         if start_sweep:
             for _ in range(max(1, self._fetcher.workers // 2)):
                 self._sweep_on()

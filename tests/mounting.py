@@ -148,8 +148,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     mnt.mkdir(parents=True, exist_ok=True)
     remote = Remote(url, storage_options)
     cache = ChunkCache(cache_dir, cache_size, chunk_size=chunk_size) if cache_size else None
-    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into,
-                           fetch_into_each=remote.read_into_each if remote.streams_reads else None)
+    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into)
     fs = Filesystem(remote, staging_dir=cache_dir / "staging", fetcher=fetcher,
                     metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=negative_ttl, list_ttl=list_ttl,
                                            immutable=immutable),

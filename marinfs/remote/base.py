@@ -491,21 +491,6 @@ class Remote:
         view = memoryview(data)
         buf[:] = view if view.format == "B" else view.cast("B")
 
-    # Whether read_into_each fills several buffers from one GET (else it is one GET per buffer,
-    # in turn: a fetcher then gains nothing from asking for several chunks at once).
-    streams_reads: bool = False
-
-    def read_into_each(self, key: str, start: int, version: ObjectVersion | None, bufs: list[memoryview],
-                       landed: Callable[[int], None]) -> None:
-        """:meth:`read_into` of consecutive ranges from ``start``, one per buffer, ``landed(i)``
-        as soon as ``bufs[i]`` holds its bytes. Here one read per buffer; where
-        ``streams_reads``, one request whose body fills them in turn."""
-        pos = start
-        for i, buf in enumerate(bufs):
-            self.read_into(key, pos, pos + len(buf), version, buf)
-            pos += len(buf)
-            landed(i)
-
     def _read(self, key: str, start: int, end: int, version: ObjectVersion | None, want: int | None) -> bytes:
         """A ranged read checked around: the stat after it must still show ``version``."""
         def changed() -> bool:  # a shorter object is a new version, not a cut-short response

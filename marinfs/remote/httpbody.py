@@ -205,15 +205,6 @@ def read_into(resp: Any, buf: memoryview, start: int, what: str,
     short, and the caller decides (the backends raise TruncatedResponse, retried). ``check``
     sees the headers first and raises to refuse the answer (GCS: a generation other than the one
     asked for). The connection goes back to the pool only once its whole body was read."""
-    return read_into_each(resp, [buf], start, what, None, check)
-
-
-def read_into_each(resp: Any, bufs: list[memoryview], start: int, what: str,
-                   landed: Callable[[int], None] | None = None,
-                   check: Callable[[Any], None] | None = None) -> int:
-    """:func:`read_into` of a GET that spans several buffers, filled one after the other from
-    ``start`` (a chunk fetcher's run of chunks: one request, each chunk usable as soon as its
-    bytes are in). ``landed(i)`` is called once ``bufs[i]`` is full, before the next is read."""
     if check is not None:
         try:
             check(resp.headers)
@@ -223,7 +214,6 @@ def read_into_each(resp: Any, bufs: list[memoryview], start: int, what: str,
             raise
     raw = getattr(resp, "_fp", None)  # urllib3's http.client response: readinto on the socket
     done = False
-    total = sum(len(b) for b in bufs)
     try:
         if resp.status == 416:
             return 0
@@ -233,33 +223,19 @@ def read_into_each(resp: Any, bufs: list[memoryview], start: int, what: str,
             data = resp.read(decode_content=True)
             if resp.status == 206 and sent not in (None, start):  # never bytes of another offset
                 raise OSError(5, f"GET {what}: the server sent {resp.headers.get('Content-Range')} "
-                                 f"for {start}-{start + total - 1}")
-            data = data if resp.status == 206 else data[start:start + total]  # 200: the range was ignored
+                                 f"for {start}-{start + len(buf) - 1}")
+            data = data if resp.status == 206 else data[start:start + len(buf)]  # 200: the range was ignored
+            n = min(len(data), len(buf))
+            buf[:n] = data[:n]
             done = True
-            n = 0
-            for i, buf in enumerate(bufs):
-                got = min(len(buf), max(0, len(data) - n))
-                buf[:got] = data[n:n + got]
-                n += got
-                if got < len(buf):
-                    break
-                if landed is not None:
-                    landed(i)
             return n
         n = 0
-        for i, buf in enumerate(bufs):
-            filled = 0
-            while filled < len(buf):
-                got = raw.readinto(buf[filled:])
-                if not got:
-                    break
-                filled += got
-            n += filled
-            if filled < len(buf):
+        while n < len(buf):
+            got = raw.readinto(buf[n:])
+            if not got:
                 break
-            if landed is not None:
-                landed(i)
-        done = n == total and raw.isclosed()  # all of the body read: the connection is reusable
+            n += got
+        done = n == len(buf) and raw.isclosed()  # all of the body read: the connection is reusable
         return n
     except TimeoutError as exc:  # socket.timeout: the read timeout
         raise TimeoutError(f"GET {what}: {exc}") from None

@@ -290,49 +290,6 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._direct_first("get", lambda: self._call("get", self._get_direct_into, full, start, end, etag, buf), sdk)
         self.stats.add_bytes(bytes_in=want)
 
-    @property
-    def streams_reads(self) -> bool:  # type: ignore[override]
-        return self._direct is not None and self.get_into_socket and not self._direct_refused
-
-    def read_into_each(self, key: str, start: int, version: ObjectVersion | None, bufs: list[memoryview],
-                       landed: Callable[[int], None]) -> None:
-        """Consecutive chunks in one GET (a sequential reader's run), each handed on by
-        ``landed(i)`` as soon as its bytes are in: one request's latency and per-request cost
-        for several chunks. A GET cut short is retried for what has not landed yet; with
-        every rule of :meth:`read_into` (``If-Match``, the retry loop, the s3fs fallback)."""
-        etag = version.value if version is not None and version.kind == "etag" else None
-        if len(bufs) < 2 or not etag or not self.streams_reads:
-            return super().read_into_each(key, start, version, bufs, landed)
-        full = self.full(key)
-        offsets = [start]
-        for buf in bufs:
-            offsets.append(offsets[-1] + len(buf))
-        done = 0  # buffers landed: a retry asks only for the rest
-
-        def land(i: int) -> None:
-            nonlocal done
-            done = i + 1
-            landed(i)
-
-        def direct() -> None:
-            assert self._direct is not None
-            first = done
-            self.stats.add("get")  # not seen by botocore's hook: count it here
-            self._direct.get_into_each(full, offsets[first], offsets[-1], etag, bufs[first:],
-                                       lambda i: land(first + i))
-            if done < len(bufs):
-                raise TruncatedResponse(f"short read of {full}: {offsets[done] - start} of "
-                                        f"{offsets[-1] - start} bytes at {start}")
-
-        def sdk() -> None:
-            for i in range(done, len(bufs)):
-                bufs[i][:] = self._read_call(_exactly(len(bufs[i]), self._s3_get_if_match), full,
-                                             offsets[i], offsets[i + 1], etag)
-                land(i)
-
-        self._direct_first("get", lambda: self._call("get", direct), sdk)
-        self.stats.add_bytes(bytes_in=offsets[-1] - start)
-
     def _get_direct_into(self, full: str, start: int, end: int, etag: str, buf: memoryview) -> None:
         assert self._direct is not None
         self.stats.add("get")  # not seen by botocore's hook: count it here

@@ -198,19 +198,13 @@ class S3Http:
         socket, the GIL released while it waits, no ``bytes`` in between. Answers how many bytes
         came (fewer: the body was cut short; the caller decides). What this path cannot read
         in place (a 200 of the whole object, an encoded body) is copied in."""
-        return self.get_into_each(full, start, end, etag, [buf])
-
-    def get_into_each(self, full: str, start: int, end: int, etag: str | None, bufs: list[memoryview],
-                      landed: Callable[[int], None] | None = None) -> int:
-        """:meth:`get_into` of one GET whose body fills ``bufs`` one after the other
-        (``end - start`` their lengths summed), ``landed(i)`` once ``bufs[i]`` is full."""
         headers = {"Range": f"bytes={start}-{end - 1}"}
         if etag:
             headers["If-Match"] = f'"{etag}"'
         resp = self._send("GET", full, lambda fresh: self._url(full, fresh), headers, ok=(200, 206, 416), answers={
             412: lambda: StaleVersionError(f"{full} is no longer version {etag}"),
             404: lambda: FileNotFoundError(2, "no such object", full)}, preload=False)
-        return httpbody.read_into_each(resp, bufs, start, full, landed)
+        return httpbody.read_into(resp, buf, start, full)
 
     def get_whole(self, full: str) -> tuple[bytes, str]:
         """The whole object and the ETag (unquoted) of those very bytes, in one GET."""
