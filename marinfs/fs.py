@@ -192,6 +192,7 @@ class Filesystem:
                  list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
                  uid: int | None = None, gid: int | None = None) -> None:
         self.remote = remote
+        remote.on_moved = self._moved  # a rename's pinned copy: its readers here follow it
         # What every file shows when nothing is stored for it: a chmod, chown or create mode
         # equal to these is not stored (it changes nothing anyone sees).
         self.file_mode, self.dir_mode = file_mode & 0o7777, dir_mode & 0o7777
@@ -1508,10 +1509,61 @@ class Filesystem:
                 self.remote.rename_link(src, dst)
             else:
                 self._rename_file(src, dst)
+        if self.remote.renames_in_place:
+            self._follow_in_place(src, dst)
         self.metadata.invalidate_tree(src)
         self.metadata.invalidate_tree(dst)
         self._entries_changed(src, dst)
         self._move_inodes(src, dst)
+
+    def _follow_in_place(self, src: str, dst: str) -> None:
+        """A rename(2) here moved the files themselves: read handles of them follow to the new
+        names, with the version each file has now (its change time moved on; its inode, size
+        and modification time did not, or it is another file's, and the handle stays)."""
+        with self._lock:
+            todo = [(handle, handle.key, dst + handle.key[len(src):]) for handle in self._handles.values()
+                    if handle.staged is None and handle.info is not None and handle.info.version is not None
+                    and _under(handle.key, src)]
+        moves = []
+        for handle, was, key in todo:
+            try:
+                now = self.remote.stat(key).version
+            except OSError:
+                continue
+            assert handle.info is not None and handle.info.version is not None
+            if now is not None and now.same_file(handle.info.version):
+                with self._lock:
+                    if handle.key == was:
+                        moves.append(self._follow_locked(handle, key, now))
+        self._move_readers(moves)
+
+    def _moved(self, src: str, dst: str, old: ObjectVersion, new: ObjectVersion) -> None:
+        """The remote made ``dst`` a copy of exactly version ``old`` of ``src``, as its version
+        ``new`` (a rename here, before the source goes): read handles of that version follow it,
+        as an open file on a local disk keeps reading after a ``mv``. Handles of another
+        version (the source changed since they opened) stay, and find it gone (ESTALE)."""
+        with self._lock:
+            moves = [self._follow_locked(handle, dst, new) for handle in self._handles.values()
+                     if handle.staged is None and handle.key == src and handle.info is not None
+                     and handle.info.version == old]
+        self._move_readers(moves)
+
+    def _follow_locked(self, handle: Handle, key: str,
+                       version: ObjectVersion) -> tuple[ObjectReader | None, ObjectRef]:
+        """Handle ``handle`` reads ``key``'s ``version`` from now on: the bytes it was reading,
+        under their new name. It never moves to a later version of either name (orphan).
+        Answers its reader and what it is to read, for _move_readers (outside our lock)."""
+        assert handle.info is not None
+        handle.key, handle.orphan = key, True
+        handle.info = replace(handle.info, name=key, version=version)
+        return handle.reader, ObjectRef(url=f"{self.remote.url}/{key}", key=key, version=version,
+                                        size=handle.info.size)
+
+    @staticmethod
+    def _move_readers(moves: list[tuple[ObjectReader | None, ObjectRef]]) -> None:
+        for reader, ref in moves:
+            if reader is not None:
+                reader.moved(ref)
 
     def _forget_inodes(self, key: str) -> None:
         """``key`` (a file or a tree) was unlinked here, or replaced by a rename: the kernel's

@@ -54,6 +54,13 @@ class ObjectVersion:
             value += f":i{ino}:c{ctime_ns}"
         return cls("mtime", value)
 
+    def same_file(self, other: ObjectVersion) -> bool:
+        """Both are one file of a local disk with the same inode, size and modification time,
+        told apart by their change time only: the file renamed (rename(2) moves ctime on)."""
+        if self.kind != "mtime" or other.kind != "mtime" or ":i" not in self.value:
+            return False
+        return self.value.split(":c", 1)[0] == other.value.split(":c", 1)[0]
+
     @classmethod
     def unversioned(cls, ident: int) -> ObjectVersion:
         return cls("unversioned", str(ident))

@@ -577,6 +577,18 @@ class ObjectReader:
                 task.add_done_callback(self._sweep_on)
                 return
 
+    def moved(self, obj: ObjectRef) -> None:
+        """Read ``obj`` from now on: the same bytes under another name and version (a rename
+        made on this node). What was held for this reader under the old name is let go; its
+        readahead starts again (chunks are cached by name and version: fetched anew)."""
+        with self._lock:
+            old, asked = self.obj, self._asked
+            self.obj, self._asked = obj, set()
+            self._window, self._ahead = 0, -1
+            sweeping = self._sweep is not None
+            self._sweep = 0 if sweeping else None  # a sweep goes on, over the new name
+        self._fetcher.release(old, asked)
+
     def close(self) -> None:
         """The handle is closed: no more background fetches for it."""
         with self._lock:

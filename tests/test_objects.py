@@ -149,3 +149,14 @@ def test_memory_remote_has_generations_and_enforces_preconditions(tmp_path: Path
 
     with cf.ThreadPoolExecutor(8) as pool:
         assert sum(pool.map(commit, range(16))) == 1  # writers racing from one base: one wins
+
+
+def test_a_local_version_tells_a_renamed_file_from_a_rewritten_one() -> None:
+    """same_file: one inode, size and mtime, another ctime (rename(2)); any other change, or
+    another kind of version, is not the same file."""
+    v = ObjectVersion.local(10, 5, ino=7, ctime_ns=100)
+    assert v.same_file(ObjectVersion.local(10, 5, ino=7, ctime_ns=200))
+    assert not v.same_file(ObjectVersion.local(11, 5, ino=7, ctime_ns=200))
+    assert not v.same_file(ObjectVersion.local(10, 5, ino=8, ctime_ns=100))
+    assert not ObjectVersion.local(10, 5).same_file(ObjectVersion.local(10, 5))  # no inode: cannot tell
+    assert not ObjectVersion.etag("x").same_file(ObjectVersion.etag("x"))

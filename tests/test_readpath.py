@@ -1217,3 +1217,24 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
     assert not any(d for _, d in opened)
     reader.close()
     fetcher.close()
+
+
+def test_a_reader_moved_to_another_name_lets_go_of_what_was_held_and_reads_there() -> None:
+    """ObjectReader.moved (a rename made here): chunks held for it under the old name are let
+    go (the budget does not leak), and its reads fetch the new name's version from then on."""
+    fetch = IntoFetch(DATA)
+    fetcher = ChunkFetcher(fetch, None, chunk_size=MiB, memory_bytes=8 * MiB, fetch_into=fetch.into)
+    reader = ObjectReader(ref(), fetcher)
+    for off in range(0, 3 * MiB, 256 * KiB):  # sequential: chunks ahead are held for it
+        reader.read(256 * KiB, off)
+    deadline = time.monotonic() + 5
+    while fetcher._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fetcher.memory()["held"] > 0
+    moved = ObjectRef(url="mem://b/other", key="other", version="v2", size=len(DATA))
+    reader.moved(moved)
+    assert fetcher.memory()["held"] == 0
+    before = len(fetch.calls)
+    assert reader.read(100, 5 * MiB) == DATA[5 * MiB:5 * MiB + 100]
+    assert len(fetch.calls) > before and reader.obj is moved
+    fetcher.close()

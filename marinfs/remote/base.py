@@ -167,6 +167,9 @@ class Remote:
     # have posix=None and the directory record fills them in).
     stores_posix: ClassVar[bool] = True
     lists_posix: ClassVar[bool] = False
+    # A rename moves the object itself (rename(2) on a local disk): every file is the same file
+    # under the new name, so a reader open here keeps reading it there (fs.Filesystem.rename).
+    renames_in_place: ClassVar[bool] = False
 
     def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -184,6 +187,10 @@ class Remote:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  settings: RemoteSettings | None = None) -> None:
         self.settings = settings or RemoteSettings()
+        # Told, by a rename's copy that was pinned to the source's version, that ``dst`` now
+        # holds exactly version ``old`` of ``src`` as its version ``new`` (src, dst, old, new):
+        # the filesystem moves open readers of that version there (set by fs.Filesystem).
+        self.on_moved: Callable[[str, str, ObjectVersion, ObjectVersion], None] | None = None
         try:
             protocol = protocol_of(url)
             self._prepare_environment()

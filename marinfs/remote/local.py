@@ -71,6 +71,7 @@ def apply_posix(path: str, attrs: PosixAttrs, replace_xattrs: bool = True) -> No
 
 
 class LocalRemote(Remote):
+    renames_in_place = True  # rename(2): the same file under the new name (only its ctime moves on)
     protocols = ("file", "local")
     _root_default = "/"
     link_objects = False  # real symbolic links

@@ -409,7 +409,9 @@ class S3Remote(Recorded, ObjectStoreRemote):
         carries the source's metadata (s3fs's would drop it)."""
         source, target = self.full(src), self.full(dst)
         head = self._fresh_head(source)
-        self._copy_object(source, target, head, None)
+        etag = self._copy_object(source, target, head, None)
+        if head.etag and etag and self.on_moved is not None:  # the copy was pinned to head.etag
+            self.on_moved(src, dst, ObjectVersion.etag(head.etag), ObjectVersion.etag(etag))
 
     def _copy_object(self, source: str, target: str, head: _Head, metadata: dict[str, str] | None) -> str:
         """Copy ``source`` as it is in ``head`` (If-Match on its ETag) to ``target``; with
