@@ -160,6 +160,35 @@ class GCSRemote(Recorded, ObjectStoreRemote):
     def _head_object(self, full: str) -> dict[str, Any]:
         return fsspec.asyn.sync(self.fs.loop, self.fs._get_object, full)
 
+    def copy(self, src: str, dst: str) -> ObjectVersion | None:
+        """A rewrite of the source's current generation (``ifSourceGenerationMatch``, as S3's
+        copy is pinned to its ETag; it keeps the metadata), answering the copy's generation:
+        readers of that source generation follow a rename to it (``on_moved``)."""
+        source, target = self.full(src), self.full(dst)
+        old = self.stat(src).version
+        b1, k1, _ = self.fs.split_path(source)
+        b2, k2, _ = self.fs.split_path(target)
+        match = {"ifSourceGenerationMatch": old.value} if old is not None and old.kind == "generation" else {}
+
+        async def rewrite() -> dict[str, Any]:
+            token: dict[str, str] = {}
+            while True:
+                out = await self.fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", b1, k1, b2, k2,
+                                          headers={"Content-Type": "application/json"}, json_out=True,
+                                          **match, **token)
+                if out.get("done") is True:
+                    return out
+                token = {"rewriteToken": out["rewriteToken"]}
+
+        out = self._call("copy", fsspec.asyn.sync, self.fs.loop, rewrite)
+        generation = (out.get("resource") or {}).get("generation")
+        if not generation:
+            return None
+        new = ObjectVersion("generation", str(generation))
+        if match and old is not None and self.on_moved is not None:
+            self.on_moved(src, dst, old, new)
+        return new
+
     def _prefix_exists(self, full: str) -> bool:
         bucket, key, _ = self.fs.split_path(full)
         out = self.fs.call("GET", "b/{}/o", bucket, prefix=key.rstrip("/") + "/", delimiter="/", maxResults=1,
