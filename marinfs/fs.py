@@ -193,6 +193,7 @@ class Filesystem:
                  uid: int | None = None, gid: int | None = None) -> None:
         self.remote = remote
         remote.on_moved = self._moved  # a rename's pinned copy: its readers here follow it
+        self._renaming = threading.local()  # .moves: what this thread's rename's copies told
         # What every file shows when nothing is stored for it: a chmod, chown or create mode
         # equal to these is not stored (it changes nothing anyone sees).
         self.file_mode, self.dir_mode = file_mode & 0o7777, dir_mode & 0o7777
@@ -1101,7 +1102,7 @@ class Filesystem:
         a chunk in memory or read from a cached chunk or a staging file straight into ``dest``."""
         handle = self._handle(fh)
         staged = handle.staged
-        if staged is None:
+        if staged is None and not handle.orphan:  # (an orphan's name is another file's now)
             other = self._staged.get(handle.key)  # another handle's uncommitted writes
             staged = other if other is not None and other.dirty else None
         if staged is not None:
@@ -1486,6 +1487,22 @@ class Filesystem:
         info = self.lookup(src)
         target = self._lookup_or_none(dst)
         self._require_dir(posixpath.dirname(dst))
+        in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
+        self._renaming.moves = []
+        try:
+            self._rename_remote(src, dst, info, target, new)
+            moves = self._renaming.moves
+        finally:
+            self._renaming.moves = None  # a failed rename moves no reader
+        self._follow(moves)
+        if in_place:
+            self._follow_in_place(src, dst, in_place)
+        self.metadata.invalidate_tree(src)
+        self.metadata.invalidate_tree(dst)
+        self._entries_changed(src, dst)
+        self._move_inodes(src, dst)
+
+    def _rename_remote(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None, new: str) -> None:
         if info.is_dir:
             if target is not None and not target.is_dir:
                 raise FsError(errno.ENOTDIR, dst)
@@ -1509,44 +1526,61 @@ class Filesystem:
                 self.remote.rename_link(src, dst)
             else:
                 self._rename_file(src, dst)
-        if self.remote.renames_in_place:
-            self._follow_in_place(src, dst)
-        self.metadata.invalidate_tree(src)
-        self.metadata.invalidate_tree(dst)
-        self._entries_changed(src, dst)
-        self._move_inodes(src, dst)
 
-    def _follow_in_place(self, src: str, dst: str) -> None:
-        """A rename(2) here moved the files themselves: read handles of them follow to the new
-        names, with the version each file has now (its change time moved on; its inode, size
-        and modification time did not, or it is another file's, and the handle stays)."""
+    def _in_place_readers(self, src: str) -> list[tuple[Handle, str, ObjectVersion]]:
+        """Before a rename(2) of ``src``: the read handles under it whose file is still the very
+        version they read (its ctime too: an in-place rewrite keeping size and mtime is not)."""
         with self._lock:
-            todo = [(handle, handle.key, dst + handle.key[len(src):]) for handle in self._handles.values()
-                    if handle.staged is None and handle.info is not None and handle.info.version is not None
-                    and _under(handle.key, src)]
+            found = [(handle, handle.key, handle.info.version) for handle in self._handles.values()
+                     if handle.staged is None and handle.info is not None
+                     and handle.info.version is not None and _under(handle.key, src)]
+        keep = []
+        for handle, key, version in found:
+            try:
+                if self.remote.stat(key).version == version:
+                    keep.append((handle, key, version))
+            except OSError:
+                pass
+        return keep
+
+    def _follow_in_place(self, src: str, dst: str, readers: list[tuple[Handle, str, ObjectVersion]]) -> None:
+        """A rename(2) here moved the files themselves: the read handles found before it follow
+        to the new names, with the version each file has now (its ctime moved on; its inode,
+        size and mtime did not, or it is not the same file, and the handle stays)."""
         moves = []
-        for handle, was, key in todo:
+        for handle, was, version in readers:
+            key = dst + was[len(src):]
             try:
                 now = self.remote.stat(key).version
             except OSError:
                 continue
-            assert handle.info is not None and handle.info.version is not None
-            if now is not None and now.same_file(handle.info.version):
-                with self._lock:
-                    if handle.key == was:
-                        moves.append(self._follow_locked(handle, key, now))
-        self._move_readers(moves)
+            if now is not None and now.same_file(version):
+                moves.append((handle, was, version, key, now))
+        self._follow(moves)
 
     def _moved(self, src: str, dst: str, old: ObjectVersion, new: ObjectVersion) -> None:
         """The remote made ``dst`` a copy of exactly version ``old`` of ``src``, as its version
-        ``new`` (a rename here, before the source goes): read handles of that version follow it,
-        as an open file on a local disk keeps reading after a ``mv``. Handles of another
-        version (the source changed since they opened) stay, and find it gone (ESTALE)."""
+        ``new`` (during a rename here, before the source goes): once the rename is done, read
+        handles of that version follow it, as an open file on a disk keeps reading after a
+        ``mv``. Handles of another version (the source changed since they opened) stay, and
+        find it gone (ESTALE). Outside a rename of this thread's, nothing moves."""
+        moves = getattr(self._renaming, "moves", None)
+        if moves is None:
+            return
         with self._lock:
-            moves = [self._follow_locked(handle, dst, new) for handle in self._handles.values()
-                     if handle.staged is None and handle.key == src and handle.info is not None
-                     and handle.info.version == old]
-        self._move_readers(moves)
+            moves.extend((handle, src, old, dst, new) for handle in self._handles.values()
+                         if handle.staged is None and handle.key == src
+                         and handle.info is not None and handle.info.version == old)
+
+    def _follow(self, moves: list[tuple[Handle, str, ObjectVersion, str, ObjectVersion]]) -> None:
+        """Apply moves (handle, its key and version then, new key, new version) whose handle
+        is still there as it was; their readers are told outside our lock."""
+        readers = []
+        with self._lock:
+            for handle, was, version, key, now in moves:
+                if handle.key == was and handle.info is not None and handle.info.version == version:
+                    readers.append(self._follow_locked(handle, key, now))
+        self._move_readers(readers)
 
     def _follow_locked(self, handle: Handle, key: str,
                        version: ObjectVersion) -> tuple[ObjectReader | None, ObjectRef]:
@@ -1554,6 +1588,9 @@ class Filesystem:
         under their new name. It never moves to a later version of either name (orphan).
         Answers its reader and what it is to read, for _move_readers (outside our lock)."""
         assert handle.info is not None
+        users = handle.page_users
+        if users is not None and users.version == handle.info.version:  # its inode's pages: the same bytes
+            users.version, users.info = version, replace(users.info, name=key, version=version)
         handle.key, handle.orphan = key, True
         handle.info = replace(handle.info, name=key, version=version)
         return handle.reader, ObjectRef(url=f"{self.remote.url}/{key}", key=key, version=version,

@@ -501,6 +501,7 @@ class ObjectReader:
         first, last = offset // cs, (end - 1) // cs
         released: set[int] = set()
         with self._lock:
+            obj = self.obj  # (moved() may change it: what this read asks for is of this one)
             fresh = not self._window  # a first read, or the first after a seek
             # The kernel issues readahead concurrently, so "sequential" tolerates reordering
             # within a chunk of where the reader was expected.
@@ -533,6 +534,8 @@ class ObjectReader:
                     self._ahead = min(self._ahead, index - 1)
                     self._asked.difference_update(range(index, last + 1 + window))
                 break
+        if self.obj is not obj:  # moved meanwhile: what was held for the old name is let go
+            self._fetcher.release(obj, range(first, last + 1 + window))
         if start_sweep:
             for _ in range(max(1, self._fetcher.workers // 2)):
                 self._sweep_on()
@@ -585,8 +588,7 @@ class ObjectReader:
             old, asked = self.obj, self._asked
             self.obj, self._asked = obj, set()
             self._window, self._ahead = 0, -1
-            sweeping = self._sweep is not None
-            self._sweep = 0 if sweeping else None  # a sweep goes on, over the new name
+            self._sweep, self._touched = None, set()  # dense reads start it again, over the new name
         self._fetcher.release(old, asked)
 
     def close(self) -> None:

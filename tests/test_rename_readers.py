@@ -61,3 +61,31 @@ def test_a_reader_of_an_older_version_does_not_follow_a_rename(mounted: Mounted)
         with pytest.raises(OSError) as exc:
             f.read(MiB)
         assert exc.value.errno in (errno.ESTALE, errno.ENOENT, errno.EIO)
+
+
+def test_a_directory_with_attributes_set_here_renames_whole(mounted: Mounted) -> None:
+    """A directory whose subdirectory had its mode set here (a directory record on object
+    stores) moves whole, its record included (a review found GCS's pinned copy asking stat()
+    for the record's generation, which stat never shows: the rename failed midway)."""
+    (mounted.mnt / "t/sub").mkdir(parents=True)
+    (mounted.mnt / "t/sub/f").write_bytes(b"x")
+    os.chmod(mounted.mnt / "t/sub", 0o700)
+    os.rename(mounted.mnt / "t", mounted.mnt / "u")
+    assert (mounted.mnt / "u/sub/f").read_bytes() == b"x"
+    assert not (mounted.mnt / "t").exists()
+
+
+def test_a_renamed_reader_never_reads_the_replaced_targets_pending_writes(mounted: Mounted) -> None:
+    """mv a b while b is open for writing here with bytes not yet committed: a reader of a
+    reads a's bytes, before, during and after the rename (never b's writer's)."""
+    data = os.urandom(20 * MiB)
+    mounted.put_remote("a.bin", data)
+    with open(mounted.mnt / "b.bin", "wb") as w, open(mounted.mnt / "a.bin", "rb", buffering=0) as r:
+        w.write(b"w" * MiB)
+        w.flush()
+        assert r.read(MiB) == data[:MiB]
+        os.rename(mounted.mnt / "a.bin", mounted.mnt / "b.bin")
+        r.seek(0)
+        assert r.read(2 * MiB) == data[:2 * MiB]
+        r.seek(15 * MiB)
+        assert r.read(MiB) == data[15 * MiB:16 * MiB]

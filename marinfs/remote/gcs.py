@@ -165,10 +165,13 @@ class GCSRemote(Recorded, ObjectStoreRemote):
         copy is pinned to its ETag; it keeps the metadata), answering the copy's generation:
         readers of that source generation follow a rename to it (``on_moved``)."""
         source, target = self.full(src), self.full(dst)
-        old = self.stat(src).version
+        # The object's own metadata, not stat(): a directory record (dirmeta.py) is copied by a
+        # directory rename too, and stat() does not show it.
+        generation = str(self._call("head", self._head_object, source).get("generation") or "")
+        old = ObjectVersion("generation", generation) if generation else None
         b1, k1, _ = self.fs.split_path(source)
         b2, k2, _ = self.fs.split_path(target)
-        match = {"ifSourceGenerationMatch": old.value} if old is not None and old.kind == "generation" else {}
+        match = {"ifSourceGenerationMatch": generation} if generation else {}
 
         async def rewrite() -> dict[str, Any]:
             token: dict[str, str] = {}
@@ -181,10 +184,10 @@ class GCSRemote(Recorded, ObjectStoreRemote):
                 token = {"rewriteToken": out["rewriteToken"]}
 
         out = self._call("copy", fsspec.asyn.sync, self.fs.loop, rewrite)
-        generation = (out.get("resource") or {}).get("generation")
-        if not generation:
+        copied = (out.get("resource") or {}).get("generation")
+        if not copied:
             return None
-        new = ObjectVersion("generation", str(generation))
+        new = ObjectVersion("generation", str(copied))
         if match and old is not None and self.on_moved is not None:
             self.on_moved(src, dst, old, new)
         return new

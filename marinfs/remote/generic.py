@@ -9,6 +9,8 @@ is checked and applied under a lock no other commit of that key can pass.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 import time
@@ -119,12 +121,22 @@ class MemoryRemote(Recorded, Remote):
         return info.version
 
     def copy(self, src: str, dst: str) -> None:
-        """fsspec's copy, keeping the POSIX metadata (as S3 and GCS copies keep metadata)."""
-        super().copy(src, dst)
-        attrs = getattr(self._stored(src), _POSIX_ATTR, None)
-        stored = self._stored(dst)
+        """fsspec's copy, keeping the POSIX metadata (as S3 and GCS copies keep metadata), of
+        the source's generation as it was under its commit lock: its readers follow a rename
+        (``on_moved``), as on S3 and GCS."""
+        locks = sorted({self._lock(self.full(src)), self._lock(self.full(dst))}, key=id)  # no commit between
+        with contextlib.ExitStack() as held:
+            for lock in locks:
+                held.enter_context(lock)
+            source = self._stored(src)
+            old = self._version(source) if source is not None else None
+            super().copy(src, dst)
+            stored = self._stored(dst)
+        attrs = getattr(source, _POSIX_ATTR, None)
         if attrs is not None and stored is not None:
             setattr(stored, _POSIX_ATTR, attrs)
+        if old is not None and stored is not None and self.on_moved is not None:
+            self.on_moved(src, dst, old, self._version(stored))
 
     def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
         """Bytes and generation read together, under the key's commit lock."""
