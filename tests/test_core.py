@@ -1240,3 +1240,39 @@ def test_fs_o_direct_opens_read_through_the_daemon_beside_passthrough(remote: Re
     fs.release(r)
     assert fs.fetcher.cache.pinned() == 0
     fs.close()
+
+
+def test_fs_a_reader_whose_name_went_never_reads_the_next_files_pending_writes(fs: Filesystem, remote: Remote) -> None:
+    """A reader of a name unlinked (or renamed away) here reads its own version; another file
+    written under that name since, not committed yet, is not its file (it read those writes)."""
+    put(remote, "a", b"old bytes")
+    h = fs.open("/a", os.O_RDONLY)
+    assert fs.read(h, 20, 0) == b"old bytes"
+    fs.unlink("/a")
+    w = fs.create("/a", CREAT | os.O_TRUNC)
+    fs.write(w, b"NEW", 0)
+    assert fs.read(h, 20, 0) == b"old bytes"
+    close(fs, w)
+    fs.release(h)
+
+
+def test_fs_a_rename_that_fails_midway_moves_no_reader(fs: Filesystem, remote: Remote,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is made, the source's delete fails: the rename fails, and its readers stay on
+    the source's name (still there), not on a copy the failed rename may leave or take away."""
+    if remote.renames_in_place:
+        pytest.skip("rename(2) does not fail halfway")
+    put(remote, "a", b"bytes")
+    h = fs.open("/a", os.O_RDONLY)
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, "refused")
+
+    monkeypatch.setattr(remote.fs, "rm_file", refused)
+    with pytest.raises(OSError):
+        fs.rename("/a", "/b")
+    assert fs._handle(h).key == "a" and not fs._handle(h).orphan
+    monkeypatch.undo()
+    fs.rename("/a", "/b")
+    assert fs._handle(h).key == "b" and fs.read(h, 10, 0) == b"bytes"
+    fs.release(h)

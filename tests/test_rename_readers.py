@@ -77,7 +77,8 @@ def test_a_directory_with_attributes_set_here_renames_whole(mounted: Mounted) ->
 
 def test_a_renamed_reader_never_reads_the_replaced_targets_pending_writes(mounted: Mounted) -> None:
     """mv a b while b is open for writing here with bytes not yet committed: a reader of a
-    reads a's bytes, before, during and after the rename (never b's writer's)."""
+    reads a's bytes after the rename, never b's writer's (the window during the rename and an
+    unlinked name's next writer: test_core's pending-writes test)."""
     data = os.urandom(20 * MiB)
     mounted.put_remote("a.bin", data)
     with open(mounted.mnt / "b.bin", "wb") as w, open(mounted.mnt / "a.bin", "rb", buffering=0) as r:

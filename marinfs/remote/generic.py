@@ -10,7 +10,6 @@ is checked and applied under a lock no other commit of that key can pass.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import threading
 import time
