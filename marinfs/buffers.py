@@ -5,6 +5,14 @@ A fresh 8 MiB allocation per chunk costs a page fault per 4 KiB page every time 
 chunk), and a copy into an aligned buffer before each O_DIRECT write; a pool of ``mmap``
 buffers, touched once and reused, costs neither.
 
+Buffers come in size classes, powers of two from 16 KiB up to the chunk size: a small file's
+only chunk takes a buffer its own size, not a chunk-sized one. Classes of 2 MiB and more are
+advised into huge pages; smaller ones are not (a huge page would cost 2 MiB of memory for a few
+KiB of data, and zeroing it costs more than the fetch). :meth:`BufferPool.capacity` is what a
+buffer of a given length really occupies: the fetcher's memory budget counts that, not the
+bytes asked for (counting 4 KiB for each small file's 8 MiB buffer took a walk over 4,000
+small files to 7.8 GiB of RSS).
+
 The rule that makes reuse safe is reference counting, nothing else. :meth:`BufferPool.take`
 answers a ``memoryview`` (format ``B``, ``len()`` = the bytes asked for) of a ``ctypes`` array
 laid over one pooled ``mmap``; every slice or view of it, whoever took it (the fetcher's
@@ -14,10 +22,11 @@ once no reference to any view of it is left anywhere: nobody can still read it o
 The pool never hands out the raw ``mmap``. A view caught in a reference cycle only delays the
 buffer's return (until the collector runs); meanwhile the pool allocates a fresh one.
 
-The pool keeps at most ``keep`` idle buffers (sized by the mount's memory budget); past that, a
-returned buffer is unmapped. Buffers in use are bounded by whoever holds them (the fetcher's
-budget), not here: ``take`` never blocks. :meth:`BufferPool.trim` unmaps the idle ones when the
-mount has gone quiet, so a daemon on every node does not keep 200 MiB after one big read.
+The pool keeps at most ``keep_bytes`` of idle buffers (sized by the mount's memory budget);
+past that, the buffers idle longest are unmapped. Buffers in use are bounded by whoever holds
+them (the fetcher's budget), not here: ``take`` never blocks. :meth:`BufferPool.trim` unmaps the
+idle ones when the mount has gone quiet, so a daemon on every node does not keep 200 MiB after
+one big read.
 """
 
 from __future__ import annotations
@@ -28,14 +37,16 @@ import threading
 import time
 
 PAGE = mmap.PAGESIZE
+SMALLEST = 16 << 10  # the smallest class: four pages
+HUGE = 2 << 20  # classes from this size on are advised into (2 MiB) huge pages
 
 
 def _anonymous(size: int) -> mmap.mmap:
-    """A private anonymous mapping, in huge pages where the kernel gives them (THP ``madvise``
-    mode): its first touch costs a fault per 2 MiB, not per 4 KiB page (2,048 for 8 MiB)."""
+    """A private anonymous mapping; from ``HUGE`` bytes on, in huge pages where the kernel gives
+    them (THP ``madvise`` mode): its first touch costs a fault per 2 MiB, not per 4 KiB page."""
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if advice is not None and size >= HUGE:
         try:
             mm.madvise(advice)
         except OSError:  # no THP in this kernel: small pages, as before
@@ -44,20 +55,33 @@ def _anonymous(size: int) -> mmap.mmap:
 
 
 class BufferPool:
-    """Idle page-aligned buffers of ``size`` bytes, at most ``keep`` of them."""
+    """Page-aligned buffers of up to ``size`` bytes in size classes; at most ``keep_bytes`` of
+    them idle."""
 
-    def __init__(self, size: int, keep: int) -> None:
+    def __init__(self, size: int, keep_bytes: int) -> None:
         self.size = size
-        self.keep = keep
-        self._idle: list[tuple[mmap.mmap, float]] = []  # with when each went idle, oldest first
+        self.keep_bytes = keep_bytes
+        classes, c = [], SMALLEST
+        while c < size:
+            classes.append(c)
+            c *= 2
+        self.classes = [*classes, size]
+        # Idle buffers of each class, with when each went idle, oldest first (taken from the end).
+        self._idle: dict[int, list[tuple[mmap.mmap, float]]] = {c: [] for c in self.classes}
+        self._idle_bytes = 0
         # Reentrant: a buffer's finalizer may run in any thread at any allocation, even one
         # made while this thread holds the lock (the cyclic collector).
         self._lock = threading.RLock()
         self.allocated = 0  # buffers mapped since the start (a count, for tests and status)
         self.reused = 0
+        self.mapped = 0  # bytes mapped now, in use or idle: the pool's real footprint
+        self.peak = 0  # the most ``mapped`` has been
+        self._arrays = {c: self._array_type(c) for c in self.classes}
+
+    def _array_type(self, capacity: int) -> type:
         pool = self
 
-        class _Array(ctypes.c_ubyte * size):  # type: ignore[misc, valid-type]
+        class _Array(ctypes.c_ubyte * capacity):  # type: ignore[misc, valid-type]
             """One loan of a pooled buffer: its finalizer returns the buffer."""
 
             def __del__(self) -> None:
@@ -66,43 +90,73 @@ class BufferPool:
                 except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to give back to
                     pass
 
-        self._array = _Array
+        return _Array
+
+    def capacity(self, length: int) -> int:
+        """The bytes a buffer of ``length`` bytes occupies (its class)."""
+        for c in self.classes:
+            if length <= c:
+                return c
+        raise ValueError(f"a buffer of {length} bytes from a pool of {self.size}-byte buffers")
 
     def take(self, length: int) -> memoryview:
         """A writable view of ``length`` (<= ``size``) bytes at a page-aligned address, its
         contents undefined. Held by nobody else until every view derived from it is gone."""
-        if not 0 <= length <= self.size:
-            raise ValueError(f"a buffer of {length} bytes from a pool of {self.size}-byte buffers")
+        if length < 0:
+            raise ValueError(f"a buffer of {length} bytes")
+        cap = self.capacity(length)
         with self._lock:
-            mm = self._idle.pop()[0] if self._idle else None
+            idle = self._idle[cap]
+            mm = idle.pop()[0] if idle else None
             if mm is not None:
+                self._idle_bytes -= cap
                 self.reused += 1
             else:
                 self.allocated += 1
+                self.mapped += cap
+                self.peak = max(self.peak, self.mapped)
         if mm is None:
-            mm = _anonymous(self.size)
-        array = self._array.from_buffer(mm)
+            mm = _anonymous(cap)
+        array = self._arrays[cap].from_buffer(mm)
         array._mm = mm
         return memoryview(array).cast("B")[:length]
 
     def _give_back(self, mm: mmap.mmap) -> None:
+        cap = len(mm)
         with self._lock:
-            if len(self._idle) < self.keep:
-                self._idle.append((mm, time.monotonic()))
-                return
-        # Unmapped once the dying array's own export of it is released (right after this).
+            self._idle[cap].append((mm, time.monotonic()))
+            self._idle_bytes += cap
+            gone = self._shrink_locked()
+        for old in gone:  # (mm itself is unmapped once the dying array's export of it is released)
+            if old is not mm:
+                old.close()
+
+    def _shrink_locked(self) -> list[mmap.mmap]:
+        """Let go of the buffers idle longest until the idle ones fit in ``keep_bytes``."""
+        gone = []
+        while self._idle_bytes > self.keep_bytes:
+            cap = min((c for c in self.classes if self._idle[c]), key=lambda c: self._idle[c][0][1])
+            gone.append(self._idle[cap].pop(0)[0])
+            self._idle_bytes -= cap
+            self.mapped -= cap
+        return gone
 
     def trim(self, idle_for: float = 0.0) -> int:
         """Unmap the buffers idle for at least ``idle_for`` seconds; answers how many."""
         cutoff = time.monotonic() - idle_for
+        old = []
         with self._lock:
-            old = [mm for mm, since in self._idle if since <= cutoff]
-            self._idle = [(mm, since) for mm, since in self._idle if since > cutoff]
+            for cap, idle in self._idle.items():
+                keep = [(mm, since) for mm, since in idle if since > cutoff]
+                gone = [mm for mm, since in idle if since <= cutoff]
+                self._idle[cap] = keep
+                self._idle_bytes -= cap * len(gone)
+                self.mapped -= cap * len(gone)
+                old += gone
         for mm in old:
             mm.close()
         return len(old)
 
     def idle(self) -> int:
         with self._lock:
-            return len(self._idle)
-
+            return sum(len(idle) for idle in self._idle.values())

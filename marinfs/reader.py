@@ -43,6 +43,7 @@ take; ``_Held.data`` is then a ``memoryview`` of the buffer, ``len()`` the chunk
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -86,6 +87,7 @@ class _Held:
     writing: bool  # queued for the disk cache: its memory is taken anyway, and not on disk yet
     served: int = 0  # bytes read from it; a reader that read them all releases it
     keep: bool = False  # fetched for random reads: cached through the page cache (ChunkCache.put)
+    cost: int = 0  # what it occupies in the budget: its buffer's capacity, not only its bytes
 
 
 class ChunkFetcher:
@@ -125,11 +127,11 @@ class ChunkFetcher:
         self._settled = threading.Condition()
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-write",
                                           initializer=name_current)
-        # Idle buffers kept: as many chunks as the budget, the demand fetches (one per worker,
+        # Idle buffers kept: as many bytes as the budget, the demand fetches (one per worker,
         # as many reading threads as that at most in practice) and the sweep's (half the
         # workers) take. A chunk waiting for the disk past the budget, or a reader's copy
-        # in progress, takes a fresh buffer instead: bounded by those, never kept past `keep`.
-        self.buffers = BufferPool(chunk_size, self.memory_bytes // chunk_size + workers + workers // 2)
+        # in progress, takes a fresh buffer instead: bounded by those, never kept past that.
+        self.buffers = BufferPool(chunk_size, self.memory_bytes + (workers + workers // 2) * chunk_size)
         self._last_read = time.monotonic()
         self.mem_available: Callable[[], int | None] = mem_available  # tests replace it
 
@@ -143,6 +145,17 @@ class ChunkFetcher:
     def _size(self, obj: ObjectRef, index: int) -> int:
         start = index * self.chunk_size
         return max(0, min(obj.size, start + self.chunk_size) - start)
+
+    def _cost(self, size: int) -> int:
+        """What a chunk of ``size`` bytes occupies in memory: the pooled buffer it lands in (its
+        size class, buffers.py) when the remote fetches into one, else its bytes."""
+        return self.buffers.capacity(size) if self.fetch_into is not None and size else size
+
+    def _cost_of(self, data: Any) -> int:
+        """What ``data`` (a landed chunk) occupies in memory: a pooled buffer's whole capacity."""
+        if isinstance(data, memoryview) and isinstance(data.obj, ctypes.Array):
+            return ctypes.sizeof(data.obj)
+        return len(data)
 
     def read(self, obj: ObjectRef, index: int, offset: int, size: int, split: bool = True) -> bytes:
         """``size`` bytes at ``offset`` within chunk ``index`` as ``bytes`` (see read_into)."""
@@ -178,7 +191,7 @@ class ChunkFetcher:
             if owner:
                 # Counted in the budget too (never refused: the reader waits for it), so that
                 # readahead makes room for it instead of adding to it.
-                size_ = self._size(obj, index)
+                size_ = self._cost(self._size(obj, index))
                 with self._lock:
                     self._reserved += size_
                 # A first read or a seek (split) is random access until shown otherwise.
@@ -219,7 +232,7 @@ class ChunkFetcher:
         if cached and not load:
             self.cache.advise(ck)  # type: ignore[union-attr]
             return True
-        size = self._size(obj, index)
+        size = self._cost(self._size(obj, index))
         with self._lock:
             if not self._room_locked(size):
                 return False
@@ -293,7 +306,7 @@ class ChunkFetcher:
         for ck, entry in self._chunks.items():
             if not entry.held and not entry.writing:
                 del self._chunks[ck]
-                self._used -= len(entry.data)
+                self._used -= entry.cost
                 return True
         return False
 
@@ -364,14 +377,15 @@ class ChunkFetcher:
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
-                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep)
+                entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep,
+                              cost=self._cost_of(data))
                 self._reserved -= reserved
                 reserved = 0
                 old = self._chunks.pop(ck, None)
                 if old is not None:
-                    self._used -= len(old.data)
+                    self._used -= old.cost
                 self._chunks[ck] = entry
-                self._used += len(data)
+                self._used += entry.cost
                 self._trim_locked()
             future.set_result(data)  # waiting readers go on while the chunk is written to disk
             if self.cache is not None and not loaded:
@@ -398,7 +412,8 @@ class ChunkFetcher:
         """Chunk ``ck`` (``size`` bytes) from the disk cache into a pooled buffer; None if the
         cache no longer has it whole and sound."""
         assert self.cache is not None
-        buf = self.buffers.take(self.chunk_size)  # O_DIRECT reads whole blocks: room for the tail's
+        # O_DIRECT reads whole blocks: room for the tail's.
+        buf = self.buffers.take(min(self.chunk_size, -(-size // 4096) * 4096))
         try:
             if self.cache.load_into(ck, buf) != size:
                 return None

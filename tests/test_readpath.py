@@ -855,24 +855,79 @@ def test_a_pooled_buffer_is_never_reused_while_anyone_still_holds_it() -> None:
     assert part.tobytes() == DATA[100:200]  # ...never the one still referenced
     before = fetcher.buffers.idle()
     del part
-    assert fetcher.buffers.idle() == min(fetcher.buffers.keep, before + 1)  # its last view gone: back
+    assert fetcher.buffers.idle() == min(fetcher.buffers.keep_bytes // MiB, before + 1)  # its last view gone: back
     fetcher.close()
 
 
 def test_the_pool_keeps_at_most_its_bound_of_idle_buffers() -> None:
     from marinfs.buffers import BufferPool
 
-    pool = BufferPool(64 * KiB, keep=2)
+    pool = BufferPool(64 * KiB, keep_bytes=128 * KiB)
     views = [pool.take(64 * KiB) for _ in range(5)]
     assert pool.allocated == 5 and pool.idle() == 0
     import ctypes
     assert all(ctypes.addressof(ctypes.c_char.from_buffer(v)) % 4096 == 0 for v in views)  # page-aligned
     del views
     assert pool.idle() == 2
-    short = pool.take(10)
-    assert len(short) == 10 and pool.reused == 1
+    short = pool.take(40 * KiB)
+    assert len(short) == 40 * KiB and pool.reused == 1  # the 64 KiB class
+    assert pool.mapped == 2 * 64 * KiB  # the three let go beyond the bound are unmapped
     with pytest.raises(ValueError):
         pool.take(64 * KiB + 1)
+
+
+def test_a_small_buffer_takes_its_size_class_and_the_budget_counts_the_class() -> None:
+    """A few KiB take a 16 KiB buffer, not a chunk-sized one; what the pool has mapped is
+    the sum of the classes, and the idle ones beyond the bound go oldest first, any class."""
+    from marinfs.buffers import BufferPool
+
+    pool = BufferPool(8 * MiB, keep_bytes=8 * MiB + 64 * KiB)
+    assert pool.classes[0] == 16 * KiB and pool.classes[-1] == 8 * MiB
+    assert [pool.capacity(n) for n in (1, 16 * KiB, 16 * KiB + 1, 3 * MiB, 8 * MiB)] == \
+        [16 * KiB, 16 * KiB, 32 * KiB, 4 * MiB, 8 * MiB]
+    small = [pool.take(3000) for _ in range(100)]
+    assert pool.mapped == 100 * 16 * KiB and pool.allocated == 100
+    big = pool.take(8 * MiB)
+    del small  # 1.6 MiB of 16 KiB buffers idle
+    assert pool.idle() == 100
+    del big  # 8 MiB more: over the bound, the oldest small ones go
+    assert pool.idle() == 1 + 4 and pool.mapped == 8 * MiB + 4 * 16 * KiB
+    assert len(pool.take(5 * MiB)) == 5 * MiB and pool.reused == 1
+    assert pool.peak == 100 * 16 * KiB + 8 * MiB
+    odd = BufferPool(3 * MiB, keep_bytes=0)  # a chunk size that is no power of two is the top class
+    assert odd.capacity(3 * MiB) == 3 * MiB and odd.capacity(2 * MiB + 1) == 3 * MiB
+
+
+def test_small_chunks_are_budgeted_by_their_buffer_not_their_bytes(tmp_path: Path) -> None:
+    """Thousands of small objects read once each through a fetcher with a disk cache: what
+    memory keeps of them stays within the budget counted in real buffer bytes, and the pool's
+    mapped bytes stay within the budget plus its idle bound (each small chunk held a whole
+    8 MiB buffer and was counted at its few KiB: 4 GiB of RSS for 2,000 small files)."""
+    data = os.urandom(64 * KiB)
+
+    class Small(IntoFetch):
+        def __call__(self, key: str, start: int, end: int, version: str) -> bytes:
+            self.calls.append((start, end))
+            return data[start:end]
+
+    fetch = Small(data)
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 1 << 30), chunk_size=8 * MiB, memory_bytes=32 * MiB,
+                           fetch_into=fetch.into)
+    for i in range(2000):
+        size = 1 + (i * 7919) % (64 * KiB)
+        obj = ObjectRef(url=f"mem://b/f{i}", key=f"f{i}", version=f"v{i}", size=size)
+        reader = ObjectReader(obj, fetcher)
+        assert reader.read(size, 0) == data[:size]
+        reader.close()
+        memory = fetcher.memory()
+        assert memory["used"] + memory["reserved"] <= memory["limit"]
+        with fetcher._lock:
+            assert memory["used"] == sum(e.cost for e in fetcher._chunks.values())
+    assert fetcher.settle()
+    bound = fetcher.memory_bytes + fetcher.buffers.keep_bytes + 16 * 64 * KiB  # (writes queued)
+    assert fetcher.buffers.peak <= bound, fetcher.buffers.peak
+    assert fetcher.buffers.reused > 1000  # small buffers come back and are used again
+    fetcher.close()
 
 
 def test_a_split_fetch_fills_each_slice_of_one_buffer(tmp_path: Path) -> None:
@@ -922,7 +977,7 @@ def test_a_pooled_buffer_is_written_in_place_with_the_same_name_and_crc(tmp_path
     data = os.urandom(size)
     plain = ChunkCache(tmp_path / "plain", 64 * MiB)
     assert plain.put(key(1), data)
-    buf = BufferPool(8 * MiB, 1).take(size)
+    buf = BufferPool(8 * MiB, 8 * MiB).take(size)
     buf[:] = data
     cache = ChunkCache(tmp_path / "pooled", 64 * MiB)
     assert cache.put(key(1), buf) and cache._direct_io
@@ -960,7 +1015,7 @@ def test_a_quiet_fetcher_gives_its_memory_and_idle_buffers_back(tmp_path: Path) 
 def test_the_pool_unmaps_only_buffers_idle_long_enough() -> None:
     from marinfs.buffers import BufferPool
 
-    pool = BufferPool(MiB, keep=4)
+    pool = BufferPool(MiB, keep_bytes=4 * MiB)
     views = [pool.take(MiB) for _ in range(3)]
     del views
     assert pool.idle() == 3
