@@ -103,9 +103,10 @@ class MountConfig:
     # list a walker's next subdirectories ahead of it (docs/semantics.md).
     list_prefetch: bool = setting(
         True, kind=BOOL, doc_default="on (object stores)",
-        help="list directories ahead of lookups and walkers, object stores only",
+        help="list directories ahead of lookups and walkers, and fetch a walker's next small files; object stores only",
         doc="list directories in the background: after repeated lookup misses in one directory, "
-            "and ahead of a walker such as `find` (see [semantics.md](semantics.md#caching-and-other-nodes))")
+            "and ahead of a walker such as `find`; and fetch a walker's next small files ahead of its opens "
+            "(see [semantics.md](semantics.md#caching-and-other-nodes))")
     # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
     chunk_size: int = setting(8 << 20, kind=SIZE, low=64 << 10, high=1 << 30,
                               help="bytes per ranged GET and per cached chunk")

@@ -41,6 +41,7 @@ from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
 from marinfs.staging import StagedFile
 from marinfs.threadnames import start_thread
+from marinfs.walkahead import WalkAhead
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,13 @@ class Filesystem:
         self.staging_dir = staging_dir
         self.read_only = read_only
         self.fetcher = fetcher or ChunkFetcher(remote.read_range, cache=None)
+        # A walker's next small files fetched ahead of it (walkahead.py): on object stores, as
+        # the listings ahead, and only where listings are kept (it walks by them).
+        # Files of 1 MiB at most: a tool that opens each file of a directory to read its header
+        # costs at most a window of those.
+        self.walkahead = (WalkAhead(self.metadata.get_listing, self._fetch_ahead, ttl=self.metadata.list_ttl,
+                                    small=min(1 << 20, self.fetcher.chunk_size))
+                          if list_prefetch and self.metadata.list_ttl > 0 else None)
         self.max_readahead_chunks = max_readahead_chunks
         # FUSE passthrough (set by the FUSE layer once the kernel and libfuse agreed to it): a
         # version the chunk cache holds whole is read by the kernel from its data file.
@@ -932,7 +940,21 @@ class Filesystem:
                     users.count += 1
                     handle.page_users = users
                     handle.stale_kernel_attrs = self._told_other_locked(key, info)
+        if self.walkahead is not None and not writable and info.version is not None:
+            self.walkahead.opened(info)
         return self._new_handle(handle)
+
+    def _fetch_ahead(self, info: ObjectInfo) -> bool:
+        """Fetch a file a walker is about to open (WalkAhead): unless this node is writing it."""
+        if info.name in self._staged:
+            return True
+        return self.fetcher.fetch_ahead(self._ref(info.name, info))
+
+    def _ref(self, key: str, info: ObjectInfo, unversioned: int = 0) -> ObjectRef:
+        """What reads of ``info`` fetch and key their chunks by (``unversioned``: a handle's id,
+        for an object without a version: its chunks are its own)."""
+        version = info.version or ObjectVersion.unversioned(unversioned)
+        return ObjectRef(url=f"{self.remote.url}/{key}", key=key, version=version, size=info.size)
 
     def _writer_staged(self, key: str, info: ObjectInfo | None, truncate: bool,
                        attrs: PosixAttrs | None = None) -> StagedFile:
@@ -1165,10 +1187,8 @@ class Filesystem:
                 if reader is None:
                     info = handle.info
                     assert info is not None
-                    version = info.version or ObjectVersion.unversioned(id(handle))
-                    ref = ObjectRef(url=f"{self.remote.url}/{handle.key}", key=handle.key, version=version,
-                                    size=info.size)
-                    reader = handle.reader = ObjectReader(ref, self.fetcher, self.max_readahead_chunks)
+                    reader = handle.reader = ObjectReader(self._ref(handle.key, info, id(handle)), self.fetcher,
+                                                          self.max_readahead_chunks)
         return reader
 
     def write(self, fh: int, data: bytes | memoryview, offset: int) -> int:

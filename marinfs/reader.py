@@ -122,6 +122,12 @@ class ChunkFetcher:
         # Chunks are written to the disk cache by their own threads: an O_DIRECT write waits for
         # the disk, and a fetch worker held by it is a GET not in flight. At most this many
         # writes wait (the chunks stay readable in memory meanwhile); past that, fetches wait.
+        # A walker's next small files (fetch_ahead): their own threads, so that a walk never
+        # takes the workers big files' readahead needs; this many GETs at once for every walker.
+        self.walk_ahead = max(1, workers)
+        self._walking = 0
+        self._walk_pool = ThreadPoolExecutor(max_workers=self.walk_ahead, thread_name_prefix="walk-ahead",
+                                             initializer=name_current)
         self._writes = threading.BoundedSemaphore(16)
         self._pending_writes = 0
         self._settled = threading.Condition()
@@ -279,6 +285,48 @@ class ChunkFetcher:
         if owner:
             return self._pool.submit(self._run, obj, index, ck, future, keep=True)
         return None
+
+    def fetch_ahead(self, obj: ObjectRef) -> bool:
+        """For a walker's next files (walkahead.py): fetch ``obj``'s first chunk ahead of any
+        open of it, not held (memory may let it go once it is on disk), in the budget, at most
+        ``walk_ahead`` at once. True if it is started, in memory, under way or on disk; False if
+        there is no room now."""
+        ck = self.chunk_key(obj, 0)
+        with self._lock:
+            if ck in self._chunks or ck in self._inflight:
+                return True
+        if self.cache is not None and self.cache.contains(ck):
+            return True
+        cost = self._cost(self._size(obj, 0))
+        with self._lock:
+            if self._walking >= self.walk_ahead or not self._room_locked(cost):
+                return False
+            self._walking += 1
+            self._reserved += cost
+        future, owner = self._claim(ck)
+        if not owner:
+            with self._lock:
+                self._walking -= 1
+                self._reserved -= cost
+            return True
+
+        def run() -> None:
+            try:
+                self._run(obj, 0, ck, future, reserved=cost)
+            finally:
+                with self._lock:
+                    self._walking -= 1
+
+        try:
+            self._walk_pool.submit(run)
+        except BaseException:
+            with self._lock:
+                self._walking -= 1
+                self._reserved -= cost
+                self._inflight.pop(ck, None)
+            future.set_exception(RuntimeError("the mount is closing"))
+            raise
+        return True
 
     def release(self, obj: ObjectRef, indices: set[int] | range) -> None:
         """A reader no longer needs these chunks held for it (it moved elsewhere or closed)."""
@@ -475,6 +523,7 @@ class ChunkFetcher:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._split_pool.shutdown(wait=True, cancel_futures=True)
+        self._walk_pool.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)  # every fetched chunk is on disk before we stop
 
 
