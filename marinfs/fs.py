@@ -1444,13 +1444,19 @@ class Filesystem:
             staged = self._staged.pop(key, None)
         if staged is not None:  # (its lock waits for a commit in flight: never under ours)
             staged.mark_unlinked()  # open handles keep working; nothing is committed
+        gone = False
         try:
             self.remote.delete(key)
+            gone = True
         except FileNotFoundError:
             if staged is None:
                 raise
+            gone = True  # never committed: nothing to delete
         finally:
-            self.metadata.invalidate(key)
+            if gone:  # its parent's listing stays valid without it
+                self.metadata.removed_own(key)
+            else:
+                self.metadata.invalidate(key)
             self._entries_changed(key)
         self._forget_inodes(key)
 
@@ -1508,19 +1514,37 @@ class Filesystem:
         target = self._lookup_or_none(dst)
         self._require_dir(posixpath.dirname(dst))
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
-        self._renaming.moves = []
+        self._renaming.moves, self._renaming.copied = [], {}
         try:
             self._rename_remote(src, dst, info, target, new)
-            moves = self._renaming.moves
+            moves, copied = self._renaming.moves, self._renaming.copied
         finally:
-            self._renaming.moves = None  # a failed rename moves no reader
+            self._renaming.moves = self._renaming.copied = None  # a failed rename moves no reader
         self._follow(moves)
         if in_place:
             self._follow_in_place(src, dst, in_place)
-        self.metadata.invalidate_tree(src)
-        self.metadata.invalidate_tree(dst)
+        renamed = self._renamed_info(src, dst, info, target, copied)
+        if renamed is not None:  # both parents' listings stay valid: rsync renames every file
+            self.metadata.removed_own(src)
+            self.metadata.put_own(renamed)
+        else:
+            self.metadata.invalidate_tree(src)
+            self.metadata.invalidate_tree(dst)
         self._entries_changed(src, dst)
         self._move_inodes(src, dst)
+
+    def _renamed_info(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None,
+                      copied: dict[str, ObjectVersion]) -> ObjectInfo | None:
+        """What a stat of ``dst`` answers after a file rename here, where this node knows it
+        all: the copy's version (the remote told it) and a time shown that the copy kept (a
+        stored mtime: the copy's own is new); else None (ask the remote)."""
+        if (info.is_dir or info.link or (target is not None and target.link) or src in self._staged
+                or self.remote.renames_in_place):  # (a local rename is a syscall: its stat costs as much)
+            return None
+        version = copied.get(src)
+        if version is None or info.posix is None or info.posix.mtime_ns is None:
+            return None
+        return replace(info, name=dst, version=version)
 
     def _rename_remote(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None, new: str) -> None:
         if info.is_dir:
@@ -1587,6 +1611,7 @@ class Filesystem:
         moves = getattr(self._renaming, "moves", None)
         if moves is None:
             return
+        self._renaming.copied[src] = new
         with self._lock:
             moves.extend((handle, src, old, dst, new) for handle in self._handles.values()
                          if handle.staged is None and handle.key == src

@@ -72,6 +72,10 @@ class MetadataCache:
         # Directory -> tokens of its listings in flight that no local change has overtaken yet
         # (see begin_listing). Entries live only while a listing is in flight.
         self._fetching: dict[str, set[int]] = {}
+        # A listing's token -> our own changes in its directory since it was sent, whose outcome
+        # we know (a commit's stat; None: a name we removed): laid over its answer, which may
+        # predate them (see end_listing). Entries live only while a listing is in flight.
+        self._own_since: dict[int, dict[str, ObjectInfo | None]] = {}
         # Key -> tokens of its stats in flight that no local change of it has overtaken yet
         # (see begin_stat). Entries live only while a stat is in flight.
         self._stating: dict[str, set[int]] = {}
@@ -176,18 +180,33 @@ class MetadataCache:
         """A listing of directory ``key`` starts; pass the token to :meth:`end_listing`.
 
         A listing sent before one of our own changes in that directory (commit, unlink, mkdir,
-        rename) and answered after it may lack the change: end_listing then drops it.
+        rename) and answered after it may lack the change: end_listing then drops it. Our own
+        changes whose outcome we know (a commit, an unlink, a file renamed) are laid over
+        the answer instead: ``tar -x`` or ``rsync`` commit a file every few milliseconds, and a
+        directory they write in would otherwise never be listed again once its listing expired.
         """
         with self._lock:
-            return self._give_locked(self._fetching, key)
+            token = self._give_locked(self._fetching, key)
+            self._own_since[token] = {}
+            return token
 
     def end_listing(self, key: str, token: int, children: Iterable[ObjectInfo] | None) -> bool:
-        """Whether no local change in ``key`` happened since begin_listing; if none did, cache
-        ``children`` (None: the listing failed, nothing to cache)."""
+        """Whether no local change in ``key`` whose outcome we do not know happened since
+        begin_listing; if none did, cache ``children`` (None: the listing failed, nothing to
+        cache) with our own known changes since laid over them."""
         with self._lock:
+            own = self._own_since.pop(token, {})
             if not self._take_locked(self._fetching, key, token):
                 return False
             if children is not None:
+                if own:
+                    listing = {c.name: c for c in children}
+                    for name, info in own.items():
+                        if info is None:
+                            listing.pop(name, None)
+                        else:
+                            listing[name] = info
+                    children = listing.values()
                 self._put_listing_locked(key, children)
             return True
 
@@ -211,7 +230,14 @@ class MetadataCache:
     def _changed_locked(self, *dirs: str) -> None:
         """We changed these directories: listings of them in flight may be stale."""
         for d in dirs:
-            self._fetching.pop(d, None)
+            for token in self._fetching.pop(d, ()):
+                self._own_since.pop(token, None)
+
+    def _own_change_locked(self, key: str, info: ObjectInfo | None) -> None:
+        """We changed ``key`` and know its outcome (``info``; None: gone): listings of its
+        directory in flight will have it laid over their answer."""
+        for token in self._fetching.get(posixpath.dirname(key), ()):
+            self._own_since[token][key] = info
 
     def _overtaken_locked(self, *keys: str) -> None:
         """We changed these keys: stats of them in flight may be stale."""
@@ -241,10 +267,25 @@ class MetadataCache:
             self._pinned.pop(info.name, None)
             self._put_locked(info)
             self._overtaken_locked(info.name)
-            self._changed_locked(posixpath.dirname(info.name))
+            self._own_change_locked(info.name, info)
             listing = self._listings.get(posixpath.dirname(info.name))
             if listing is not None:
                 listing[info.name] = info
+
+    def removed_own(self, key: str) -> None:
+        """We removed file ``key`` (an unlink, the source of a rename): it is missing, its
+        entry leaves its parent's listing if that is cached (the listing stays valid), and
+        listings of its parent in flight drop it too."""
+        with self._lock:
+            for cache in (self._stats, self._pinned):
+                cache.pop(key, None)
+            if self.negative_ttl > 0:
+                self._missing[key] = True
+            self._overtaken_locked(key)
+            self._own_change_locked(key, None)
+            listing = self._listings.get(posixpath.dirname(key))
+            if listing is not None:
+                listing.pop(key, None)
 
     def forget(self, key: str, changed: bool = False) -> None:
         """Forget what we knew of ``key`` alone (its parent's listing stays valid). ``changed``:
@@ -283,3 +324,4 @@ class MetadataCache:
                 cache.clear()
             self._fetching.clear()
             self._stating.clear()
+            self._own_since.clear()

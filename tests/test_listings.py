@@ -194,6 +194,67 @@ def test_a_listing_overtaken_by_our_own_change_is_dropped(
             assert not present, name
 
 
+def _rename_with_mtime(fs: Filesystem) -> None:
+    fs.set_attributes("/d/f1", mtime_ns=1_700_000_000 * 10**9)
+    fs.rename("/d/f1", "/d/new")
+
+
+@pytest.mark.parametrize("change", [_commit, _unlink, _rename_with_mtime])
+def test_a_listing_overtaken_by_our_own_known_change_is_kept_with_the_change_laid_over(
+        remote: Remote, tmp_path: Path, change: Callable[[Filesystem], None]) -> None:
+    """A commit, an unlink or a file rename here, whose outcome this node knows, does not cost
+    the listing in flight (tar -x and rsync change a directory every few milliseconds: its
+    listing would never land again): it is cached with the change laid over its answer."""
+    put(remote, "d/f0")
+    put(remote, "d/f1")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d")
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)  # its answer predates the change
+    change(fs)
+    blocked.release()
+    assert fs.listings is not None
+    fs.listings.drain()
+    kept = not (change is _rename_with_mtime and remote.renames_in_place)  # (local: a stat is a syscall)
+    assert fs.metadata.has_listing("d") == kept
+    expected = {os.path.basename(k) for k in remote.fs.ls(remote.full("d"), detail=False)}
+    remote.stats.reset()
+    assert {os.path.basename(c.name) for c in fs.readdir("/d")} == expected
+    for name in ("f0", "f1", "new", "nope"):
+        try:
+            fs.getattr(f"/d/{name}")
+            assert name in expected, name
+        except FileNotFoundError:
+            assert name not in expected, name
+    assert remote.stats.count("list") == 0 or not kept  # all from the listing
+
+
+def test_an_rsync_of_files_keeps_the_directory_listed(remote: Remote, tmp_path: Path) -> None:
+    """rsync's pattern per file (look the name up, write a temporary name, set its mtime and
+    mode, rename it onto the name) costs no lookup request once the directory is listed: a
+    rename here whose outcome this node knows keeps both listings valid."""
+    put(remote, "d/seed")
+    fs = core(remote, tmp_path)
+    fs.readdir("/d")
+    remote.stats.reset()
+    for i in range(20):
+        with pytest.raises(FileNotFoundError):
+            fs.getattr(f"/d/f{i}")
+        with pytest.raises(FileNotFoundError):
+            fs.getattr(f"/d/.f{i}.tmp")
+        write(fs, f"/d/.f{i}.tmp", b"x" * i)
+        fs.set_attributes(f"/d/.f{i}.tmp", mtime_ns=(1_700_000_000 + i) * 10**9)
+        fs.set_attributes(f"/d/.f{i}.tmp", mode=0o600)
+        fs.rename(f"/d/.f{i}.tmp", f"/d/f{i}")
+        assert fs.getattr(f"/d/f{i}").size == i
+    if not remote.renames_in_place:  # (a local rename is a syscall: its stat costs as much)
+        assert remote.stats.count("list") == 0
+    assert sorted(c.name for c in fs.readdir("/d")) == sorted(["d/seed", *(f"d/f{i}" for i in range(20))])
+    posix = fs.getattr("/d/f7").posix
+    assert posix is not None and posix.mtime_ns == (1_700_000_000 + 7) * 10**9 and posix.mode == 0o600
+
+
 def test_a_readdir_waits_for_the_listing_in_flight_instead_of_listing_again(
         remote: Remote, tmp_path: Path) -> None:
     put(remote, "d/f0")

@@ -404,14 +404,32 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._recorded_attrs(key, version, attrs, metadata_only=True)  # the directory record's entry
         return version
 
-    def copy(self, src: str, dst: str) -> None:
+    def copy(self, src: str, dst: str) -> ObjectVersion | None:
         """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
-        carries the source's metadata (s3fs's would drop it)."""
+        carries the source's metadata (s3fs's would drop it). Pinned to the source's ETag: the
+        one our PUT or a stat saw under 5 s ago (no HEAD: rsync renames each file it has just
+        written), or a fresh HEAD's if there is none or the object changed since. Answers the
+        copy's version."""
         source, target = self.full(src), self.full(dst)
-        head = self._fresh_head(source)
-        etag = self._copy_object(source, target, head, None)
-        if head.etag and etag and self.on_moved is not None:  # the copy was pinned to head.etag
+        with self._heads_lock:
+            head: _Head | None = self._heads.get(source)
+        etag = None
+        if head is not None and head.etag and time.monotonic() - head.at <= HEAD_REUSE_SECONDS:
+            try:
+                etag = self._copy_object(source, target, head, None)
+            except PreconditionFailed:  # changed since: copied as it is now
+                head = None
+        else:
+            head = None
+        if head is None:
+            head = self._fresh_head(source)
+            etag = self._copy_object(source, target, head, None)
+        if not etag:
+            return None
+        self._remember(target, _Head(etag, head.size, head.metadata, head.headers))
+        if head.etag and self.on_moved is not None:  # the copy was pinned to head.etag
             self.on_moved(src, dst, ObjectVersion.etag(head.etag), ObjectVersion.etag(etag))
+        return ObjectVersion.etag(etag)
 
     def _copy_object(self, source: str, target: str, head: _Head, metadata: dict[str, str] | None) -> str:
         """Copy ``source`` as it is in ``head`` (If-Match on its ETag) to ``target``; with
