@@ -282,7 +282,11 @@ class Filesystem:
         info = self._known(key)
         if info is not None:
             return info
-        if self.metadata.is_missing(key) or self.metadata.listed_missing(key):
+        if self.metadata.is_missing(key):
+            raise FileNotFoundError(errno.ENOENT, "no such file", key)
+        if self.metadata.listed_missing(key):
+            if self.listings is not None:
+                self.listings.keep_fresh(posixpath.dirname(key))
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         if self.listings is not None:
             self.listings.note_miss(key)
@@ -330,6 +334,8 @@ class Filesystem:
             return None
 
     def _require_dir(self, key: str) -> None:
+        if self.metadata.has_listing(key):
+            return  # listed fresh: a directory (tar -x creates in one past its stat's TTL)
         if not self.lookup(key).is_dir:
             raise FsError(errno.ENOTDIR, key)
 

@@ -4,7 +4,8 @@ On an object store two common patterns cost one serial request per step: ``stat`
 of one directory (a HEAD each) and ``find`` (a LIST per directory). So a directory whose
 children keep missing the stat cache is listed once in the background (lookups go on with HEADs
 meanwhile and are answered from the listing once it lands), and when a walker descends into a
-subdirectory, the other subdirectories of its parent are listed ahead of it. Lookups never wait
+subdirectory, the other subdirectories of its parent are listed ahead of it; a listing that keeps
+answering a writer's lookups "missing" is listed again before it expires. Lookups never wait
 for these listings; a readdir of a directory whose listing is in flight waits for it instead of
 listing again (single flight).
 
@@ -95,9 +96,19 @@ class ListingPrefetcher:
                 started.add(name)
                 n -= 1
 
-    def schedule(self, key: str) -> bool:
-        """Start a background listing of ``key`` unless it is cached, in flight or over the cap."""
-        if self._metadata.has_listing(key):
+    def keep_fresh(self, key: str) -> None:
+        """A lookup was answered 'missing' from ``key``'s listing (a writer creating files there:
+        ``tar -x``, ``rsync``): once the listing is past half its TTL it is listed again in the
+        background, so the writer's lookups never find it expired (each would then cost a HEAD
+        of the name and of its link object, and the third a LIST)."""
+        age = self._metadata.listing_age(key)
+        if age is not None and age >= self._metadata.list_ttl / 2:
+            self.schedule(key, refresh=True)
+
+    def schedule(self, key: str, refresh: bool = False) -> bool:
+        """Start a background listing of ``key`` unless it is cached (``refresh``: even so), in
+        flight or over the cap."""
+        if not refresh and self._metadata.has_listing(key):
             return False
         with self._lock:
             if (self._closed or key in self._pending or key in self._cooldown

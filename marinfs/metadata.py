@@ -65,6 +65,8 @@ class MetadataCache:
         self._listings: TTLCache[str, dict[str, ObjectInfo]] = TTLCache(
             max(1, maxsize // 10), self.list_ttl or 1e-9, timer=timer)
         self._missing: TTLCache[str, bool] = TTLCache(maxsize, negative_ttl or 1e-9, timer=timer)
+        self._timer = timer
+        self._listed_at: LRUCache[str, float] = LRUCache(max(1, maxsize // 10))  # when each listing was cached
         # Whether a key was a directory when last seen, kept past every TTL: a hint that makes
         # revalidating a known directory one request instead of two.
         # (And whether it was a symbolic link: revalidating one asks for its link object first.)
@@ -163,12 +165,20 @@ class MetadataCache:
         with self._lock:
             return key in self._listings
 
+    def listing_age(self, key: str) -> float | None:
+        """Seconds since ``key``'s listing was cached; None if none is."""
+        with self._lock:
+            if key not in self._listings:
+                return None
+            return self._timer() - self._listed_at.get(key, self._timer())
+
     def _put_listing_locked(self, key: str, children: Iterable[ObjectInfo]) -> None:
         listing = {c.name: c for c in children}
         for info in listing.values():
             self._put_locked(info)
         if self.list_ttl > 0:
             self._listings[key] = listing
+            self._listed_at[key] = self._timer()
 
     def put_listing(self, key: str, children: Iterable[ObjectInfo]) -> None:
         """A listing we know to be current (a directory we just made): it overtakes any in flight."""

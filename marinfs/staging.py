@@ -192,6 +192,8 @@ class StagedFile:
     def set_attrs(self, attrs: PosixAttrs | None) -> None:
         """Attributes for the commit to carry; the journal says so too (a crash keeps them)."""
         with self.lock:
+            if attrs == self.attrs:
+                return  # (tar's fchown and fchmod to what is already there: no journal rewrite)
             self.attrs = attrs
             if self._journaled:
                 self._write_journal()

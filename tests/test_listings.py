@@ -255,6 +255,38 @@ def test_an_rsync_of_files_keeps_the_directory_listed(remote: Remote, tmp_path: 
     assert posix is not None and posix.mtime_ns == (1_700_000_000 + 7) * 10**9 and posix.mode == 0o600
 
 
+def test_a_listing_that_answers_a_writers_lookups_is_listed_again_before_it_expires(
+        remote: Remote, tmp_path: Path) -> None:
+    """tar -x looks up each name it is about to create: past half its TTL, the listing that
+    answers "missing" is listed again in the background, so no create finds it expired (each
+    would cost two HEADs, and the third a LIST)."""
+    put(remote, "d/seed")
+    now = [1000.0]
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", list_prefetch=True,
+                    metadata=MetadataCache(ttl=5.0, timer=lambda: now[0]))
+    fs.readdir("/d")
+    remote.stats.reset()
+    misses: list[str] = []
+    ask = fs._ask_stat
+
+    def counting(key: str) -> tuple[ObjectInfo | None, bool]:
+        misses.append(key)  # a lookup the caches did not answer
+        return ask(key)
+
+    fs._ask_stat = counting  # type: ignore[method-assign]
+    for step in range(12):  # 12 s of creates, 0.5 s apart: the listing would expire twice
+        now[0] += 0.5
+        with pytest.raises(FileNotFoundError):
+            fs.getattr(f"/d/f{step}")
+        write(fs, f"/d/f{step}", b"x")
+        assert fs.listings is not None
+        fs.listings.drain()
+    assert misses == []  # every lookup answered by a listing
+    assert 2 <= remote.stats.count("list") <= 6  # listed again about every half TTL
+    assert sorted(c.name for c in fs.readdir("/d")) == sorted(["d/seed", *(f"d/f{i}" for i in range(12))])
+    fs.close()
+
+
 def test_a_readdir_waits_for_the_listing_in_flight_instead_of_listing_again(
         remote: Remote, tmp_path: Path) -> None:
     put(remote, "d/f0")
