@@ -22,7 +22,8 @@ once no reference to any view of it is left anywhere: nobody can still read it o
 The pool never hands out the raw ``mmap``. A view caught in a reference cycle only delays the
 buffer's return (until the collector runs); meanwhile the pool allocates a fresh one.
 
-The pool keeps at most ``keep_bytes`` of idle buffers (sized by the mount's memory budget);
+The pool keeps idle buffers only while everything it has mapped, in use and idle, fits in
+``keep_bytes`` (sized by the mount's memory budget), and idle small ones in an eighth of that;
 past that, the buffers idle longest are unmapped. Buffers in use are bounded by whoever holds
 them (the fetcher's budget), not here: ``take`` never blocks. :meth:`BufferPool.trim` unmaps the
 idle ones when the mount has gone quiet, so a daemon on every node does not keep 200 MiB after
@@ -55,8 +56,8 @@ def _anonymous(size: int) -> mmap.mmap:
 
 
 class BufferPool:
-    """Page-aligned buffers of up to ``size`` bytes in size classes; at most ``keep_bytes`` of
-    them idle."""
+    """Page-aligned buffers of up to ``size`` bytes in size classes; idle ones kept while all
+    mapped fit in ``keep_bytes``."""
 
     def __init__(self, size: int, keep_bytes: int) -> None:
         self.size = size
@@ -66,6 +67,7 @@ class BufferPool:
             classes.append(c)
             c *= 2
         self.classes = [*classes, size]
+        self._small = [c for c in classes if c < HUGE]  # small files' classes (not the chunk's)
         # Idle buffers of each class, with when each went idle, oldest first (taken from the end).
         self._idle: dict[int, list[tuple[mmap.mmap, float]]] = {c: [] for c in self.classes}
         self._idle_bytes = 0
@@ -132,10 +134,16 @@ class BufferPool:
                 old.close()
 
     def _shrink_locked(self) -> list[mmap.mmap]:
-        """Let go of the buffers idle longest until the idle ones fit in ``keep_bytes``."""
+        """Let go of the buffers idle longest until everything mapped (in use and idle) fits in
+        ``keep_bytes``, and idle buffers of the small classes in an eighth of it: a walk over
+        small files leaves thousands of them idle when a big read needs big ones."""
         gone = []
-        while self._idle_bytes > self.keep_bytes:
-            cap = min((c for c in self.classes if self._idle[c]), key=lambda c: self._idle[c][0][1])
+        small = self._small
+        while self._idle_bytes and (self.mapped > self.keep_bytes
+                                    or sum(c * len(self._idle[c]) for c in small) > self.keep_bytes // 8):
+            over = self.mapped > self.keep_bytes
+            cap = min((c for c in (self.classes if over else small) if self._idle[c]),
+                      key=lambda c: self._idle[c][0][1])
             gone.append(self._idle[cap].pop(0)[0])
             self._idle_bytes -= cap
             self.mapped -= cap

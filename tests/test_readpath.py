@@ -887,13 +887,17 @@ def test_a_small_buffer_takes_its_size_class_and_the_budget_counts_the_class() -
         [16 * KiB, 16 * KiB, 32 * KiB, 4 * MiB, 8 * MiB]
     small = [pool.take(3000) for _ in range(100)]
     assert pool.mapped == 100 * 16 * KiB and pool.allocated == 100
+    del small[:40]  # idle small buffers: an eighth of the bound at most (~1 MiB, 64 of them)
+    assert pool.idle() == 40 and pool.mapped == 100 * 16 * KiB
+    del small[:30]
+    assert pool.idle() == 64 and pool.mapped == (100 - 6) * 16 * KiB
     big = pool.take(8 * MiB)
-    del small  # 1.6 MiB of 16 KiB buffers idle
-    assert pool.idle() == 100
-    del big  # 8 MiB more: over the bound, the oldest small ones go
-    assert pool.idle() == 1 + 4 and pool.mapped == 8 * MiB + 4 * 16 * KiB
+    del small  # with the big one in use, all that is mapped fits in the bound: four small stay
+    assert pool.idle() == 4 and pool.mapped == 8 * MiB + 64 * KiB
+    del big
+    assert pool.idle() == 5
     assert len(pool.take(5 * MiB)) == 5 * MiB and pool.reused == 1
-    assert pool.peak == 100 * 16 * KiB + 8 * MiB
+    assert pool.peak == 100 * 16 * KiB + 8 * MiB - 6 * 16 * KiB
     odd = BufferPool(3 * MiB, keep_bytes=0)  # a chunk size that is no power of two is the top class
     assert odd.capacity(3 * MiB) == 3 * MiB and odd.capacity(2 * MiB + 1) == 3 * MiB
 
