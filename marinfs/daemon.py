@@ -57,6 +57,26 @@ def check_mountpoint(mountpoint: str) -> None:
         raise UsageError(f"mountpoint {mountpoint} is not a directory")
 
 
+def check_overlap(remote: str, mountpoint: str) -> None:
+    """A local remote must lie apart from its mountpoint. The same directory, a remote inside
+    the mountpoint or the mountpoint inside the remote: the daemon would serve the mount from
+    the mount itself, each op calling back into its own FUSE connection until libfuse's threads
+    are all waiting on each other (the first ``ls`` in state D, unkillable; issue 37)."""
+    if "://" in remote:  # an object store or another fsspec URL (local ones are paths by now)
+        return
+    real_remote, real_mount = os.path.realpath(remote), os.path.realpath(mountpoint)
+    if real_remote == real_mount:
+        where = f"REMOTE {remote} is the mountpoint {mountpoint} itself"
+    elif real_remote.startswith(real_mount.rstrip("/") + "/"):
+        where = f"REMOTE {remote} is inside the mountpoint {mountpoint}"
+    elif real_mount.startswith(real_remote.rstrip("/") + "/"):
+        where = f"the mountpoint {mountpoint} is inside REMOTE {remote}"
+    else:
+        return
+    raise UsageError(f"{where}: the daemon would call into its own mount and hang; "
+                     f"mount a directory outside the mountpoint")
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -180,6 +200,7 @@ def run_foreground(cfg: MountConfig) -> None:
     """Check everything, then serve the mount until it is unmounted or signalled."""
     setup_logging(cfg.log_level, cfg.log_file)
     check_mountpoint(cfg.mountpoint)
+    check_overlap(cfg.remote, cfg.mountpoint)
     fs = build_filesystem(cfg)
     from marinfs.fuse_ops import FuseAdapter, serve
 
@@ -227,6 +248,7 @@ def run_foreground(cfg: MountConfig) -> None:
 def start_background(cfg: MountConfig) -> Path:
     """Start a foreground daemon detached from us; return once the mount is live."""
     check_mountpoint(cfg.mountpoint)
+    check_overlap(cfg.remote, cfg.mountpoint)
     # The remote (URL, bucket, endpoint, credentials) is checked once, by the daemon before it
     # mounts: checking it here too cost every mount a second import of s3fs or gcsfs (1-4 s)
     # and a second request. Bad input still fails with its one line and exit code 2 (below).

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from mounting import MARINFS, force_unmount, subprocess_mount
+from mounting import MARINFS, daemon_pid, force_unmount, freed_if_wedged, fuse_connections, subprocess_mount
 
 
 def marinfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -82,6 +85,48 @@ def test_already_mounted(tmp_path: Path, remote_dir: Path) -> None:
         result = marinfs("mount", str(remote_dir), str(mnt), "--cache-dir", str(tmp_path / "c2"))
         assert_one_line_error(result, "already a mount point")
         assert (mnt / "a.txt").read_text() == "a"  # the first mount is untouched
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("layout", ["itself", "through a symlink", "remote inside the mountpoint",
+                                    "mountpoint inside the remote"])
+def test_a_local_remote_overlapping_its_mountpoint_is_refused_with_one_line(tmp_path: Path, layout: str) -> None:
+    """Issue 37: such a mount serves itself; the first `ls` hung in state D, unkillable, and
+    `umount` said busy. Refused before anything is mounted (the guard frees the old daemon)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    mnt, remote = d, d
+    if layout == "through a symlink":
+        remote = tmp_path / "link"
+        remote.symlink_to(d)
+    elif layout == "remote inside the mountpoint":
+        remote = d / "sub"
+        remote.mkdir()
+    elif layout == "mountpoint inside the remote":
+        mnt = d / "mnt"
+        mnt.mkdir()
+    with freed_if_wedged(mnt, after=20):
+        pid = None
+        try:
+            result = marinfs("mount", str(remote), str(mnt), "--cache-dir", str(tmp_path / "cache"))
+            if fuse_connections(mnt):  # mounted after all (before the fix): what a user met
+                pid = daemon_pid(mnt)
+                done = threading.Event()
+
+                def ls() -> None:
+                    with contextlib.suppress(OSError):  # ENOTCONN once the guard aborted it
+                        os.listdir(mnt)
+                        done.set()
+
+                threading.Thread(target=ls, daemon=True).start()
+                assert done.wait(10), f"mounted {layout}, and the first ls hangs"
+        finally:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert_one_line_error(result, str(mnt), "own mount")
+    assert result.returncode == 2
+    assert not fuse_connections(mnt)
 
 
 def test_umount_of_a_plain_directory(tmp_path: Path) -> None:
