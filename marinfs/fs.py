@@ -1056,6 +1056,7 @@ class Filesystem:
         is stored only if it is not the mount's ``--file-mode``, so plain writes carry nothing."""
         self._writable()
         key = key_of(path)
+        self.remote.check_key(key)  # a name the store cannot hold fails here, not at every commit
         existing = self._lookup_or_none(key)
         if existing is not None:
             if flags & os.O_EXCL:
@@ -1354,6 +1355,7 @@ class Filesystem:
             raise FsError(errno.ENOENT, "an empty link target")
         if len(data) >= PATH_MAX:
             raise FsError(errno.ENAMETOOLONG, "link target")
+        self.remote.check_key(key)
         if not key or self._lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
@@ -1438,6 +1440,7 @@ class Filesystem:
         """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
         self._writable()
         key = key_of(path)
+        self.remote.check_key(key)
         if not key or self._lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
@@ -1482,6 +1485,7 @@ class Filesystem:
         src, dst = key_of(old), key_of(new)
         if src == dst:
             return
+        self.remote.check_key(dst)
         if not src or dst.startswith(src + "/"):
             raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
         info = self.lookup(src)

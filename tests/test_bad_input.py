@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 import unicodedata
 import uuid
 from pathlib import Path
@@ -160,6 +161,76 @@ def test_a_name_that_is_not_utf8(mounted: Mounted) -> None:
         os.unlink(bad)
     (mounted.mnt / "fine").write_text("ok")
     assert os.listdir(mounted.mnt) == ["fine"]
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_an_object_key_over_the_stores_limit_is_enametoolong_at_once(backend: str, request: pytest.FixtureRequest,
+                                                                      tmp_path: Path) -> None:
+    """S3 and GCS keep keys of at most 1024 bytes (the prefix included), however short each name.
+    A longer one is ENAMETOOLONG at create, mkdir, rename and stat, with no request: SeaweedFS's
+    "Your key is too long" was retried as transient, then EIO (and a file's bytes were
+    accepted, then failed at every commit)."""
+    from conftest import mount_backend
+
+    with mount_backend(request, backend, tmp_path) as m:
+        room = 1024 - len(m.root.partition("/")[2].encode()) - 1  # bytes left for the key under the prefix
+        deep = m.mnt
+        while room > 200:  # directories of up to 250 bytes, until 100 to 200 bytes are left
+            step = min(250, room - 100)
+            deep /= "d" * step
+            room -= step + 1
+            os.mkdir(deep)
+        fits, over = deep / ("f" * room), deep / ("f" * (room + 1))  # exactly 1024 bytes of key, and 1025
+        fits.write_bytes(b"fits")
+        assert m.remote_bytes(str(fits.relative_to(m.mnt))) == b"fits"
+        (m.mnt / "short").write_bytes(b"s")
+        started = time.monotonic()
+        with pytest.raises(OSError) as info:
+            os.stat(over)
+        assert info.value.errno in (errno.ENOENT, errno.ENAMETOOLONG)  # (known absent from a listing: ENOENT)
+        for op in (lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644), os.mkdir,
+                   lambda p: os.rename(m.mnt / "short", p), lambda p: os.symlink("short", p)):
+            fd = None
+            try:
+                with pytest.raises(OSError) as info:
+                    fd = op(over)
+            finally:
+                if isinstance(fd, int):
+                    os.close(fd)
+            assert info.value.errno == errno.ENAMETOOLONG, op
+        assert time.monotonic() - started < 2  # no retries
+        assert sorted(os.listdir(deep)) == [fits.name] and (m.mnt / "short").read_bytes() == b"s"
+        assert not list((m.cache_dir / "staging").glob("*.journal.json"))  # nothing staged to fail later
+
+
+def test_a_key_the_store_calls_too_long_is_final_never_retried() -> None:
+    """s3fs turns S3's KeyTooLongError (HTTP 400) into ENAMETOOLONG with botocore's ClientError
+    as its cause, whose class name is also aiohttp's transient one: it was retried, then EIO."""
+    import botocore.exceptions
+
+    from marinfs.config import RemoteSettings
+    from marinfs.remote import Remote
+    from marinfs.remote.base import is_final, is_transient
+
+    def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+        return botocore.exceptions.ClientError({"Error": {"Code": code, "Message": code},
+                                                "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    too_long = OSError(errno.ENAMETOOLONG, "Your key is too long.")
+    too_long.__cause__ = client_error("KeyTooLongError", 400)
+    assert is_final(too_long) and not is_transient(too_long)
+    assert is_final(client_error("AccessDenied", 403)) and not is_transient(client_error("AccessDenied", 403))
+    assert is_transient(client_error("SlowDown", 503)) and not is_final(client_error("SlowDown", 503))
+    calls = []
+
+    def put() -> None:
+        calls.append(1)
+        raise too_long
+
+    remote = Remote(f"memory://final-{uuid.uuid4().hex[:8]}", settings=RemoteSettings(attempts=4, backoff_base=0))
+    with pytest.raises(OSError) as info:
+        remote._call("put", put)
+    assert info.value.errno == errno.ENAMETOOLONG and len(calls) == 1
 
 
 @pytest.mark.mount

@@ -320,6 +320,11 @@ class Remote:
         return is_transient(exc)
 
     # -- checks --------------------------------------------------------------------------------
+    def check_key(self, key: str) -> None:
+        """Raise the errno (EILSEQ, ENAMETOOLONG) if this store can never hold ``key``, before
+        anything is staged or sent: a create, mkdir, link or rename onto such a name fails at
+        once instead of at every commit. Local disks answer for themselves."""
+
     def check(self) -> None:
         """Fail fast, with the URL and the cause, if the prefix cannot be used at all."""
         try:
@@ -636,6 +641,8 @@ class Remote:
         """Move directory ``src`` and everything under it to ``dst``. Not atomic here: every
         object is copied, then the originals are deleted (documented); local disks override."""
         files, dirs, explicit = self.walk(src)
+        for f in files:  # a name the store cannot hold fails the rename before anything moved
+            self.check_key(dst + f[len(src):])
         for d in sorted(explicit):  # implicit directories come along with their objects
             self.make_dir(dst + d[len(src):])
         for f in files:
@@ -712,11 +719,35 @@ def is_precondition_failure(exc: BaseException) -> bool:
     return False
 
 
+# Answers that no retry changes: the name itself is wrong for the store. Checked before the
+# cause chain, which may hold a botocore ClientError (whose name is also aiohttp's transient one).
+FINAL_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EACCES, errno.EPERM})
+FINAL_CODES = frozenset({"KeyTooLongError", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                         "AllAccessDisabled", "NoSuchBucket", "InvalidBucketName"})
+
+
+def is_final(exc: BaseException) -> bool:
+    """An answer that retrying can never change (a key too long or not UTF-8, access denied, the
+    bucket gone): errno.ENAMETOOLONG, EILSEQ, EACCES, EPERM, or an S3 error code saying so."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        if isinstance(current, OSError) and current.errno in FINAL_ERRNOS:
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in FINAL_CODES:
+            return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                         NotADirectoryError, UsageError, StaleVersionError)):
         return False  # (a StaleVersionError carries the store's 412 in its context: an answer)
+    if is_final(exc):
+        return False
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     for cls in type(exc).__mro__:
