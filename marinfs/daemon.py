@@ -57,6 +57,22 @@ def check_mountpoint(mountpoint: str) -> None:
         raise UsageError(f"mountpoint {mountpoint} is not a directory")
 
 
+def check_empty(mountpoint: str, allow_non_empty: bool) -> None:
+    """A mount hides what its mountpoint holds: refused, as rclone refuses it, unless asked for
+    (then said in the log). Users otherwise met files gone without a word."""
+    try:
+        names = sorted(os.listdir(mountpoint))
+    except OSError:
+        return  # unreadable: FUSE itself says whatever is wrong
+    if not names:
+        return
+    what = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}, such as {names[0]!r}"
+    if not allow_non_empty:
+        raise UsageError(f"mountpoint {mountpoint} is not empty ({what}): the mount would hide them; "
+                         f"empty it, or pass --allow-non-empty")
+    log.warning("mountpoint %s is not empty (%s): hidden while mounted (--allow-non-empty)", mountpoint, what)
+
+
 def check_overlap(remote: str, mountpoint: str) -> None:
     """A local remote must lie apart from its mountpoint. The same directory, a remote inside
     the mountpoint or the mountpoint inside the remote: the daemon would serve the mount from
@@ -158,6 +174,10 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     if stop.is_set():
         return
     live.set()
+    try:
+        write_stats(fs, cfg, started)  # at once: `marinfs status` right after the mount has figures
+    except OSError as exc:
+        log.debug("cannot write stats: %s", exc)
     sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
@@ -201,20 +221,26 @@ def run_foreground(cfg: MountConfig) -> None:
     setup_logging(cfg.log_level, cfg.log_file)
     check_mountpoint(cfg.mountpoint)
     check_overlap(cfg.remote, cfg.mountpoint)
+    check_empty(cfg.mountpoint, cfg.allow_non_empty)
     fs = build_filesystem(cfg)
     from marinfs.fuse_ops import FuseAdapter, serve
 
     adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode, passthrough=cfg.passthrough)
-    state = state_file(cfg.mountpoint)
-    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),
-                                 "settings": effective_settings(cfg)}))
     if cfg.metrics_port:
         from marinfs.metrics import Metrics
 
         adapter.metrics = Metrics(fs)
-        adapter.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        try:
+            adapter.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        except OSError as exc:  # taken, not an address of this machine, a name that does not resolve
+            fs.close()
+            raise UsageError(f"--metrics-addr {cfg.metrics_addr} --metrics-port {cfg.metrics_port}: cannot serve "
+                             f"metrics there ({exc.strerror or exc})") from None
         log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
+    state = state_file(cfg.mountpoint)
+    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
+                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),
+                                 "started": time.time(), "settings": effective_settings(cfg)}))
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
@@ -249,6 +275,7 @@ def start_background(cfg: MountConfig) -> Path:
     """Start a foreground daemon detached from us; return once the mount is live."""
     check_mountpoint(cfg.mountpoint)
     check_overlap(cfg.remote, cfg.mountpoint)
+    check_empty(cfg.mountpoint, cfg.allow_non_empty)
     # The remote (URL, bucket, endpoint, credentials) is checked once, by the daemon before it
     # mounts: checking it here too cost every mount a second import of s3fs or gcsfs (1-4 s)
     # and a second request. Bad input still fails with its one line and exit code 2 (below).

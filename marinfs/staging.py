@@ -8,6 +8,7 @@ truncation and ``O_RDWR`` therefore work as on a local disk; only the commit is 
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -33,12 +34,18 @@ def write_journal(path: str, entry: dict) -> None:
     and an fsync per new file would halve the speed of ``tar -x``.
     """
     tmp = path + ".tmp"
+    data = json.dumps(entry).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(entry).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            if os.write(fd, data) != len(data):  # a full disk may take part of it
+                raise OSError(errno.ENOSPC, "the journal was written short", tmp)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # never a torn or empty journal left for good
+        raise
 
 
 def attrs_to_json(attrs: PosixAttrs) -> dict:
@@ -101,7 +108,12 @@ class StagedFile:
         self.changes = 0  # writes, truncates and renames so far
         self.failed_changes = -1  # ``changes`` when a commit last failed
         if dirty:  # a new or truncated file: it is committed even if nothing is written
-            self._mark_dirty()
+            try:
+                self._mark_dirty()
+            except BaseException:  # its journal found no room: nothing of this file stays
+                os.close(fd)
+                Path(self.path).unlink(missing_ok=True)
+                raise
         self.mtime_ns = time.time_ns()
         self.refs = 0
         self.failed_write = 0  # errno of a write that did not reach the staging file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
                 if published.get("pid") == info.get("pid"):
                     item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "passthrough")
                                  if k in published})
+            if "uptime_s" not in item and isinstance(info.get("started"), (int, float)):
+                # Nothing published yet (the daemon publishes every 2 s): the state file's start.
+                item["uptime_s"] = round(max(0.0, time.time() - info["started"]), 1)
         else:
             item["problem"] = "no daemon state (started by another user, or the daemon died)"
         out.append(item)

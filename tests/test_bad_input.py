@@ -27,6 +27,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
     ["--chunk-size", "1K"], ["--chunk-size", "2G"], ["--chunk-size", "lots"], ["--cache-size", "-5"],
     ["--cache-min-free", "1Q"], ["--retries", "0"], ["--retries", "many"], ["--metrics-port", "70000"],
     ["--metrics-port", "-1"], ["--uid", "-1"], ["--gid", "x"], ["--file-mode", "10000"],
+    ["--uid", "99999999999"], ["--gid", "4294967295"], ["--file-mode", "07777"], ["--file-mode", "04755"],
+    ["--metrics-addr", "999.1.1.1"], ["--metrics-addr", "not an address"],
     ["--dir-mode", "rwx"], ["--log-level", "loud"], ["--prefetch-workers", "0"], ["--read-ahead-kb", "-1"],
     ["--metadata-ttl", "nan"], ["--negative-ttl", "-0.1"], ["--list-ttl", "nan"],
     ["--connect-timeout", "nan"], ["--read-timeout", "-1"], ["--mount-timeout", "nan"],
@@ -47,6 +49,44 @@ def test_bad_mount_flags_are_one_line_and_exit_2(flags: list[str], tmp_path: Pat
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("marinfs: error: ") and "Traceback" not in err
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--metrics-addr", "999.1.1.1"], "--metrics-addr"), (["--uid", "99999999999"], "--uid"),
+    (["--file-mode", "07777"], "--file-mode"),
+])
+def test_a_flag_out_of_range_is_named_in_its_one_line(flags: list[str], named: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: these were accepted (an owner no uid_t holds, setuid on every file), or the
+    address failed later without naming the flag."""
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "mnt").mkdir()
+    code = cli.main(["mount", str(tmp_path / "remote"), str(tmp_path / "mnt"), "--cache-dir",
+                     str(tmp_path / "cache"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"marinfs: error: {named}: ") and flags[1] in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.mount
+def test_metrics_that_cannot_be_served_fail_the_mount_naming_the_flag(tmp_path: Path) -> None:
+    """An address this machine does not have (TEST-NET-1): one line naming the flags, exit 2,
+    nothing mounted and no daemon state left behind."""
+    (tmp_path / "remote").mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        result = subprocess.run([*MARINFS, "mount", str(tmp_path / "remote"), str(mnt), "--cache-dir",
+                                 str(tmp_path / "cache"), "--metrics-addr", "192.0.2.1", "--metrics-port", "9"],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        force_unmount(mnt)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("marinfs: error: --metrics-addr 192.0.2.1 --metrics-port 9: "), lines[0]
+    from marinfs.daemon import state_file
+    assert not state_file(str(mnt)).exists()
+    assert not os.path.ismount(mnt)
 
 
 @pytest.mark.parametrize("args", [

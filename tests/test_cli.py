@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -127,6 +128,34 @@ def test_a_local_remote_overlapping_its_mountpoint_is_refused_with_one_line(tmp_
     assert_one_line_error(result, str(mnt), "own mount")
     assert result.returncode == 2
     assert not fuse_connections(mnt)
+
+
+@pytest.mark.mount
+def test_a_non_empty_mountpoint_is_refused_unless_allowed(tmp_path: Path, remote_dir: Path) -> None:
+    """Issue 37: a mount over files hid them without a word. Refused as rclone refuses it;
+    --allow-non-empty mounts over them, says so in the log, and they are back after."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "mine.txt").write_text("mine")
+    result = marinfs("mount", str(remote_dir), str(mnt), "--cache-dir", str(tmp_path / "cache"))
+    force_unmount(mnt)
+    assert_one_line_error(result, str(mnt), "not empty", "mine.txt", "--allow-non-empty")
+    assert result.returncode == 2
+    log = tmp_path / "daemon.log"
+    with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache", "--allow-non-empty", "--log-file", str(log)):
+        assert os.listdir(mnt) == ["a.txt"]
+    assert "mountpoint " + str(mnt) + " is not empty (1 entry, such as 'mine.txt'): hidden while mounted" in log.read_text()
+    assert (mnt / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.mount
+def test_status_right_after_a_mount_shows_its_uptime(tmp_path: Path, remote_dir: Path) -> None:
+    """Issue 37: `up ? s` until the daemon first published its figures (2 s later)."""
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache"):
+        out = marinfs("status", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"daemon PID \d+, up \d+(\.\d+)? s", out.stdout), out.stdout
 
 
 def test_umount_of_a_plain_directory(tmp_path: Path) -> None:

@@ -149,6 +149,52 @@ def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Pat
         assert (remote_dir / "small.txt").read_text() == "fits"
 
 
+def test_a_journal_that_meets_a_full_staging_disk_leaves_no_file(tiny_tmpfs: Path, tmp_path: Path) -> None:
+    """Issue 37: a new file's journal written on a full disk left a 0-byte
+    ``staged-*.journal.json.tmp`` (and its empty staging file) behind for good."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(remote_dir), mnt, tiny_tmpfs, "--cache-size", "0"):
+        fd = os.open(mnt / "fills.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as info:
+                for _ in range(64):
+                    os.write(fd, b"x" * (64 << 10))  # until the 1 MiB staging disk is full
+            assert info.value.errno == errno.ENOSPC
+            with pytest.raises(OSError) as info:
+                os.close(os.open(mnt / "second.txt", os.O_WRONLY | os.O_CREAT, 0o644))  # its journal finds no room
+            assert info.value.errno == errno.ENOSPC
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # (the failed write's error again)
+        time.sleep(0.3)
+        assert not list(tiny_tmpfs.glob("staging/*"))  # no journal, no temporary, no empty staging file
+        assert sorted(os.listdir(mnt)) == [] and sorted(os.listdir(remote_dir)) == []
+        (mnt / "small.txt").write_text("fits")  # there is room again
+        assert (remote_dir / "small.txt").read_text() == "fits"
+
+
+def test_a_journal_write_that_fails_removes_its_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import marinfs.staging as staging
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "write", full)
+    with pytest.raises(OSError):
+        staging.write_journal(str(tmp_path / "staged-x.journal.json"), {"key": "k"})
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError):  # a new file whose journal cannot be written: nothing of it stays
+        monkeypatch.setattr(staging.os, "write", full)
+        StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "staging") == []
+
+
 def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: Path, remote: Remote,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The retry pass uploads without the filesystem lock, so a close may fail meanwhile and
