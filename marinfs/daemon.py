@@ -143,14 +143,15 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout,
                     list_prefetch=cfg.list_prefetch and remote.object_store,
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
-    fs.recover_staged()  # what an earlier run staged but never committed
+    fs.recover_staged(at_start=True)  # what an earlier run staged but never committed
     return fs
 
 
-def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 - Filesystem
-    """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600)."""
+def write_stats(fs, cfg: MountConfig, started: float, stopped: bool = False) -> None:  # noqa: ANN001 - Filesystem
+    """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600); ``stopped``:
+    the last figures, once unmounted and drained (`marinfs umount` reads what is left behind)."""
     data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-            "uptime_s": round(time.monotonic() - started, 1), **fs.stats()}
+            "uptime_s": round(time.monotonic() - started, 1), "stopped": stopped, **fs.stats()}
     path = stats_file(cfg.cache_dir)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -260,10 +261,13 @@ def run_foreground(cfg: MountConfig) -> None:
         state.unlink(missing_ok=True)
         fs.close()
         try:
-            write_stats(fs, cfg, time.monotonic())
+            write_stats(fs, cfg, time.monotonic(), stopped=True)
         except OSError:
             pass
     log.info("unmounted %s", cfg.mountpoint)
+    left = left_behind(fs.upload_status(), cfg.cache_dir)
+    if left:
+        log.error("%s", left)
     if not fs.drained:
         # Commits still hang on the remote; their journals are on disk. Do not let Python's
         # exit wait for the upload threads: the drain timeout is the bound we promised.
@@ -333,15 +337,34 @@ def _failure_reason(log_file: Path, start: int) -> str | None:
     return None
 
 
+def left_behind(uploads: Mapping[str, list], cache_dir: str | Path) -> str | None:
+    """One line naming the files a stopped daemon leaves uncommitted (their bytes kept in the
+    cache directory's staging area), or None when it leaves nothing."""
+    failed, pending = list(uploads.get("failed") or []), list(uploads.get("pending") or [])
+    if not failed and not pending:
+        return None
+    what = [f"{f['key']} ({'never retried' if f.get('retry') == 'never' else 'retried at the next start'}"
+            f"{': ' + f['error'] if f.get('error') else ''})" for f in failed]
+    what += [f"{key} (pending, committed at the next start)" for key in pending]
+    n = len(what)
+    shown = "; ".join(what[:5]) + (f"; and {n - 5} more" if n > 5 else "")
+    return (f"{n} file{'s' if n != 1 else ''} left uncommitted, the bytes kept in {Path(cache_dir) / 'staging'} "
+            f"(`marinfs status` of the next mount on that cache directory lists them): {shown}")
+
+
 def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
-    """Unmount a marinfs mount and wait for its daemon to finish (it commits what is open)."""
+    """Unmount a marinfs mount and wait for its daemon to finish (it commits what is open).
+    A daemon that leaves files uncommitted makes this fail (MountError) with one line saying
+    which and where their bytes are, though the mount is gone."""
     mountpoint = os.path.abspath(mountpoint)
     if mountpoint not in {e.mountpoint for e in live_mounts()}:
         raise UsageError(f"{mountpoint} is not a marinfs mount")
-    pid = None
+    pid, cache_dir = None, None
     state = state_file(mountpoint)
     if state.exists():
-        pid = json.loads(state.read_text()).get("pid")
+        info = json.loads(state.read_text())
+        pid, cache_dir = info.get("pid"), info.get("cache_dir")
+    was_alive = bool(pid) and alive(pid)  # a killed daemon's figures are stale
     tool = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
     result = subprocess.run([tool, "-u", *(["-z"] if lazy else []), mountpoint],
                             capture_output=True, text=True)
@@ -354,6 +377,15 @@ def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
             if time.monotonic() > deadline:
                 raise MountError(f"{mountpoint} is unmounted but daemon {pid} is still running")
             time.sleep(0.05)
+    if was_alive and cache_dir:
+        try:
+            published = json.loads(stats_file(Path(cache_dir)).read_text())
+        except (OSError, ValueError):
+            return
+        if published.get("pid") == pid and published.get("stopped"):
+            left = left_behind(published.get("uploads") or {}, cache_dir)
+            if left:
+                raise MountError(f"unmounted {mountpoint}, but {left}")
 
 
 def alive(pid: int) -> bool:

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from cachetools import LRUCache
 
-from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError
+from marinfs.commit import RETRY_NEXT_START, FailedCommit, commit_or_conflict, describe, is_permanent, retry_of
+from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, final_errno
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -39,7 +39,7 @@ from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
-from marinfs.staging import StagedFile
+from marinfs.staging import StagedFile, mark_final
 from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
@@ -778,30 +778,35 @@ class Filesystem:
         staged.discard()
         if staged.kept:
             error = staged.last_error
+            code = final_errno(error) if error is not None else None
             entry = FailedCommit(staged.key, staged.path, describe(error) if error else "",
                                  error is not None and is_permanent(error), attempts=max(1, staged.failures),
-                                 since=time.time())
+                                 since=time.time(), retry=retry_of(code))
+            if code is not None:  # the next daemon leaves it alone too (or, denied, tries it once)
+                mark_final(staged.journal_path, entry.error, code)
             with self._lock:
                 self.failed_commits.append(entry)
             self._report_failed(entry, None)
 
     def retry_failed_commits(self) -> list[Recovered]:
         """Commit again what failed before (the daemon calls this every commit retry interval).
-        Nothing to retry: nothing is asked of the remote."""
+        Nothing to retry (none failed, or only finally): nothing is asked of the remote."""
         with self._lock:
-            if not self.failed_commits:
+            if not any(not f.final for f in self.failed_commits):
                 return []
         return self.recover_staged()
 
-    def recover_staged(self) -> list[Recovered]:
+    def recover_staged(self, at_start: bool = False) -> list[Recovered]:
         """Replay every journal in the staging directory whose file is not open here (a crashed
         run's, or a failed commit's), and merge what still fails into ``failed_commits``.
+        Journals of final failures are left alone (``at_start``: access refusals are tried once
+        more), and listed.
 
         The remote is called without ``_lock``: a close failing meanwhile appends its own entry,
         and the merge keeps it unless this pass committed its bytes."""
         with self._lock:
             before = {f.staged: f for f in self.failed_commits}
-        results = recover(self.staging_dir, self.remote, self.open_staging_files())
+        results = recover(self.staging_dir, self.remote, self.open_staging_files(), at_start=at_start)
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self._lock:
@@ -815,10 +820,14 @@ class Filesystem:
                         self.conflicts.append({"key": r.key, "committed_as": r.committed_as})
                     continue
                 prev = current.get(r.staged) or before.get(r.staged)
+                if not r.tried and prev is not None:
+                    merged[r.staged] = prev  # a final failure this daemon knows: nothing new
+                    continue
                 entry = FailedCommit(r.key, r.staged, r.error or "", r.permanent,
-                                     attempts=prev.attempts + 1 if prev else 1, since=prev.since if prev else now)
+                                     attempts=(prev.attempts if prev else 0) + (1 if r.tried else 0) or 1,
+                                     since=prev.since if prev else now, retry=retry_of(r.final))
                 merged[r.staged] = entry
-                reports.append((entry, prev))
+                reports.append((entry, None if not r.tried else prev))
             self.failed_commits[:] = merged.values()
         for entry, prev in reports:
             self._report_failed(entry, prev)
@@ -827,8 +836,17 @@ class Filesystem:
     @staticmethod
     def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:
         """One ERROR line when the bytes are first kept, or when a failure turns out to be one
-        that retrying will not cure; later attempts: WARNING if it may pass, else quietly."""
-        if entry.permanent and not (prev is not None and prev.permanent):
+        that retrying will not cure; later attempts: WARNING if it may pass, else quietly. A
+        final failure is reported once by the daemon that met it (and once more by a daemon
+        that finds it kept, at its start) and never again: it is not retried in a loop."""
+        if entry.final and not (prev is not None and prev.final):
+            when = ("it is tried once more at the next start (fix the credentials or the bucket's policy, "
+                    "then remount)" if entry.retry == RETRY_NEXT_START else "it is never tried again")
+            log.error("cannot commit %s: %s; no retry can change this, so %s; its bytes are kept in %s",
+                      entry.key, entry.error, when, entry.staged)
+        elif entry.final:
+            log.debug("commit of %s still fails finally: %s", entry.key, entry.error)
+        elif entry.permanent and not (prev is not None and prev.permanent):
             log.error("cannot commit %s: %s; this will not pass by retrying (check the credentials and the "
                       "bucket); its bytes are kept in %s and retried", entry.key, entry.error, entry.staged)
         elif prev is None:

@@ -48,6 +48,18 @@ def write_journal(path: str, entry: dict) -> None:
         raise
 
 
+def mark_final(journal_path: str, error: str, code: int) -> None:
+    """Note in a kept commit's journal that its failure is final (errors.FINAL_ERRNOS): the next
+    daemon then leaves it alone (or, access denied, tries it once), not retrying it at every
+    start. Best effort: a journal that cannot be rewritten stays as it was (and is retried)."""
+    try:
+        entry = json.loads(Path(journal_path).read_text())
+        entry["final"] = {"error": error, "errno": code, "since": time.time()}
+        write_journal(journal_path, entry)
+    except (OSError, ValueError) as exc:
+        log.warning("cannot mark %s as final (%s); it will be tried again at the next start", journal_path, exc)
+
+
 def attrs_to_json(attrs: PosixAttrs) -> dict:
     """The journal's form of ``attrs``: only the fields set, xattr values in base64."""
     out: dict = {k: getattr(attrs, k) for k in ("mode", "uid", "gid", "mtime_ns") if getattr(attrs, k) is not None}

@@ -90,9 +90,16 @@ def format_status(items: list[dict[str, Any]]) -> str:
 
 def format_failed(f: dict[str, Any]) -> str:
     """One staged file that could not be committed: key, where its bytes are, how often it
-    failed and why; a failure that retrying will not cure is marked so (it is retried anyway)."""
+    failed and why; a failure that retrying will not cure is marked so (retried quietly), a
+    final one says when it is tried again (at the next start, or never)."""
     attempts = f.get("attempts", 1)
-    kind = "permanent: will not pass by retrying, fix it and it is committed" if f.get("permanent") else "retrying"
+    if f.get("final"):
+        retry = f.get("retry", "never")
+        kind = "final: no retry can change it; " + ("never tried again" if retry == "never" else f"tried again {retry}")
+    elif f.get("permanent"):
+        kind = "permanent: will not pass by retrying, fix it and it is committed"
+    else:
+        kind = "retrying"
     error = f"; last error: {f['error']}" if f.get("error") else ""
     return (f"    failed {f['key']} ({kind}; {attempts} attempt{'s' * (attempts != 1)}{error}); "
             f"bytes kept in {f['staged']}")

@@ -307,6 +307,50 @@ def test_daemon_sigkilled_mid_upload_then_restarted_commits_everything(store: St
     assert not journals(cache)
 
 
+@cells("s3")
+def test_a_commit_refused_for_good_is_kept_reported_once_never_retried_in_a_loop(store: Store,
+                                                                                 tmp_path: Path) -> None:
+    """Issue 37: a commit that no retry can change was retried every interval and after every
+    remount, and `marinfs umount` exited 0 in silence. Access denied (every PUT of the key
+    answered 403 AccessDenied): close() is EACCES; one ERROR line; no request more while
+    mounted; `status` marks it final; `umount` fails with one line naming it; the next daemon
+    tries it once (the credentials may have been fixed), and commits it once they are."""
+    s, mnt, cache, log = store, tmp_path / "mnt", tmp_path / "cache", tmp_path / "daemon.log"
+    assert s.proxy is not None
+    s.proxy.fail_match = lambda req: "denied.bin" in req.target and req.method in ("PUT", "POST")
+    s.proxy.fail_status, s.proxy.fail_fraction = 403, 1.0
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, "--log-file", str(log), env=s.env):
+        fd = write_file(mnt / "denied.bin", b"refused bytes")
+        code, waited = close_errno(fd)
+        assert code == errno.EACCES and waited < CALL_BOUND, (code, waited)
+        refused = s.proxy.counts["403"]
+        time.sleep(3 * INTERVAL + 2.5)  # three retry passes would have run
+        assert s.proxy.counts["403"] == refused, s.proxy.requests[-5:]
+        (failed,) = failed_uploads(mnt, s.env)
+        assert failed["key"] == "denied.bin" and failed["final"] and failed["retry"] == "at the next start"
+        (mnt / "fine.txt").write_bytes(b"fine")  # the rest of the mount works
+        result = subprocess.run([*MARINFS, "umount", str(mnt)], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, **s.env})
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert "unmounted" in lines[0] and "denied.bin (retried at the next start" in lines[0], lines[0]
+        assert str(cache / "staging") in lines[0] and not os.path.ismount(mnt)
+    assert s.cat("fine.txt") == b"fine" and s.cat("denied.bin") is None
+    reported = [line for line in log.read_text().splitlines() if "no retry can change this" in line]
+    assert len(reported) == 1 and "denied.bin" in reported[0], reported
+    refused = s.proxy.counts["403"]
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):  # still refused: tried once, at start
+        time.sleep(2 * INTERVAL + 2.5)
+        tried = s.proxy.counts["403"] - refused
+        assert 1 <= tried <= 3, s.proxy.requests[-5:]  # one commit (the direct PUT re-signed once, then s3fs's)
+        assert [f["key"] for f in failed_uploads(mnt, s.env)] == ["denied.bin"]
+    assert s.proxy.counts["403"] - refused == tried
+    s.proxy.fail_fraction = 0.0  # the credentials fixed
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        wait_committed(s, "denied.bin", b"refused bytes", within=COMMIT_BOUND)
+    assert not journals(cache)
+
+
 @cells("local", "s3")
 def test_a_full_staging_disk_is_enospc_to_the_writer_and_commits_nothing(store: Store, tiny_tmpfs: Path,
                                                                           tmp_path: Path) -> None:

@@ -241,13 +241,13 @@ def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: 
     assert fs.upload_status()["failed"] == [] and not list((tmp_path / "staging").iterdir())
 
 
-@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Access Denied"),
-                                   FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
+@pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
 def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
         tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         error: OSError) -> None:
-    """Denied, or the bucket gone: retrying will not cure it, so it is one ERROR line, not one per
-    retry; the bytes stay and are still retried (the credentials may be fixed)."""
+    """The bucket gone: retrying will not cure it, so it is one ERROR line, not one per retry;
+    the bytes stay and are still retried (the bucket may be made again). Access denied is
+    final instead (test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loop)."""
     fs = Filesystem(remote, staging_dir=tmp_path / "staging")
     real_upload = remote.upload
     broken = [error]
@@ -270,6 +270,59 @@ def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
     broken.clear()  # fixed: the next pass commits
     fs.retry_failed_commits()
     assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes" and fs.upload_status()["failed"] == []
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not"),
+                                   OSError(errno.ENAMETOOLONG, "Your key is too long."),
+                                   PermissionError(errno.EACCES, "Access Denied")])
+def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loop(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: OSError) -> None:
+    """Issue 37: a name the store can never hold was retried every interval and after every
+    remount. Final now: one ERROR line, the bytes kept, no retry by this daemon, its journal
+    marked so; the next daemon leaves it alone, but tries an access refusal once (the
+    credentials may have been fixed meanwhile)."""
+    real_upload = remote.upload
+    broken, calls = [error], []
+
+    def upload(local_path: str, key: str, expect: str | None = None) -> str | None:
+        calls.append(key)
+        if broken:
+            raise broken[0]
+        return real_upload(local_path, key, expect)
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    close_failing(fs, "/ckpt", b"kept bytes", type(error))
+    for _ in range(3):
+        assert fs.retry_failed_commits() == []
+    assert calls == ["ckpt"]  # the close's, no more
+    (failed,) = fs.upload_status()["failed"]
+    curable = error.errno == errno.EACCES
+    assert failed["final"] and failed["retry"] == ("at the next start" if curable else "never")
+    assert failed["attempts"] == 1 and Path(failed["staged"]).read_bytes() == b"kept bytes"
+    (journal,) = (tmp_path / "staging").glob("*" + JOURNAL_SUFFIX)
+    assert json.loads(journal.read_text())["final"]["errno"] == error.errno
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "no retry can change this" in loud[0] and failed["staged"] in loud[0], loud
+    assert "final" in format_failed(failed) and failed["staged"] in format_failed(failed)
+
+    calls.clear()
+    again = Filesystem(remote, staging_dir=tmp_path / "staging")  # a new daemon on the same cache
+    again.recover_staged(at_start=True)
+    assert calls == (["ckpt"] if curable else [])  # a bad name is never sent again
+    (failed,) = again.upload_status()["failed"]
+    assert failed["final"] and Path(failed["staged"]).read_bytes() == b"kept bytes"
+    again.retry_failed_commits()
+    assert calls == (["ckpt"] if curable else [])
+    broken.clear()  # the credentials fixed (a name stays what it is)
+    calls.clear()
+    Filesystem(remote, staging_dir=tmp_path / "staging").recover_staged(at_start=True)
+    if curable:
+        assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes"
+        assert not list((tmp_path / "staging").iterdir())
+    else:
+        assert calls == [] and len(list((tmp_path / "staging").iterdir())) == 2  # the bytes and their journal
 
 
 def test_a_transient_commit_failure_is_retried_and_reported_each_time(

@@ -31,6 +31,7 @@ import fsspec.config
 
 from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
+from marinfs.errors import is_final as errors_is_final
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.threadnames import name_current
 
@@ -719,21 +720,20 @@ def is_precondition_failure(exc: BaseException) -> bool:
     return False
 
 
-# Answers that no retry changes: the name itself is wrong for the store. Checked before the
-# cause chain, which may hold a botocore ClientError (whose name is also aiohttp's transient one).
-FINAL_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EACCES, errno.EPERM})
+# S3 error codes that no retry changes, besides errors.FINAL_ERRNOS. Checked before the cause
+# chain, which may hold a botocore ClientError (whose class name is also aiohttp's transient one).
 FINAL_CODES = frozenset({"KeyTooLongError", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                          "AllAccessDisabled", "NoSuchBucket", "InvalidBucketName"})
 
 
 def is_final(exc: BaseException) -> bool:
     """An answer that retrying can never change (a key too long or not UTF-8, access denied, the
-    bucket gone): errno.ENAMETOOLONG, EILSEQ, EACCES, EPERM, or an S3 error code saying so."""
+    bucket gone): errors.is_final, or an S3 error code saying so anywhere in its chain."""
+    if errors_is_final(exc):
+        return True
     seen = 0
     current: BaseException | None = exc
     while current is not None and seen < 5:
-        if isinstance(current, OSError) and current.errno in FINAL_ERRNOS:
-            return True
         response = getattr(current, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code") in FINAL_CODES:
             return True
