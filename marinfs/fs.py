@@ -39,7 +39,7 @@ from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
-from marinfs.staging import StagedFile, mark_final
+from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
 from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class Filesystem:
                  uid: int | None = None, gid: int | None = None) -> None:
         self.remote = remote
         remote.on_moved = self._moved  # a rename's pinned copy: its readers here follow it
+        remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._renaming = threading.local()  # .moves: what this thread's rename's copies told
         # What every file shows when nothing is stored for it: a chmod, chown or create mode
         # equal to these is not stored (it changes nothing anyone sees).
@@ -776,6 +777,7 @@ class Filesystem:
             for key in [k for k, s in self._staged.items() if s is staged]:
                 del self._staged[key]
         staged.discard()
+        self._abort_leftovers(staged)
         if staged.kept:
             error = staged.last_error
             code = final_errno(error) if error is not None else None
@@ -1257,6 +1259,7 @@ class Filesystem:
         # The next commit of this file replaces exactly what we wrote: the version the upload
         # answered (a stat could already show a later writer's object), else the stat's.
         staged.base_version = version or info.version
+        self._abort_leftovers(staged)
         # The kernel may still hold the writer's mtime for a moment: keep showing it for the
         # version we wrote, so tools that compare stats (tar) do not see a change that was not.
         if info.version:
@@ -1579,6 +1582,33 @@ class Filesystem:
             if now is not None and now.same_file(version):
                 moves.append((handle, was, version, key, now))
         self._follow(moves)
+
+    def _upload_session(self, local_path: str, record: dict[str, Any], opened: bool) -> None:
+        """An upload of staging file ``local_path`` opened (or ended) a session the store keeps
+        apart: its staged file journals it, or, for a replay of a kept commit, its journal."""
+        with self._lock:
+            staged = next((st for st in self._staged.values() if st.path == local_path), None)
+        if staged is not None:
+            staged.note_upload(record, opened)
+        else:
+            try:
+                note_upload_in_journal(local_path + JOURNAL_SUFFIX, record, opened)
+            except (OSError, ValueError) as exc:
+                if opened:
+                    raise  # not begun: nobody could find it again
+                log.debug("could not note the end of an upload in %s: %s", local_path, exc)
+
+    def _abort_leftovers(self, staged: StagedFile) -> None:
+        """Abort, in the background, upload sessions of ``staged`` that no journal names any
+        more (their own abort failed, or is still on its way: a second one is harmless)."""
+        for record in staged.take_leftover_uploads():
+            self.remote.part_pool.submit(self._abort_quietly, record)
+
+    def _abort_quietly(self, record: dict[str, Any]) -> None:
+        try:
+            self.remote.abort_upload(record)
+        except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
+            log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
 
     def _moved(self, src: str, dst: str, old: ObjectVersion, new: ObjectVersion) -> None:
         """The remote made ``dst`` a copy of exactly version ``old`` of ``src``, as its version

@@ -14,6 +14,11 @@ A failure no retry can change (errors.FINAL_ERRNOS: a key the store cannot hold,
 is noted in the journal (``final``). Such a journal is not replayed again: its bytes stay on
 disk and are returned as a failure not tried; only at a daemon's start is a final access
 refusal tried once more (credentials may have been fixed meanwhile).
+
+Before a replay, the upload sessions the journal names (``uploads``: S3 multipart uploads its
+daemon opened and did not see end, because it was killed or the store was down) are aborted:
+an incomplete multipart upload is kept, and billed, until someone does. One that cannot be
+aborted yet (the store down) fails the replay; it is tried again with it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from marinfs.commit import commit_or_conflict, conflict_name, describe, is_perma
 from marinfs.errors import CURABLE_ERRNOS, final_errno
 from marinfs.objects import ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json, mark_final
+from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json, mark_final, note_upload_in_journal
 
 __all__ = ["Recovered", "conflict_name", "recover"]
 
@@ -75,8 +80,25 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
             results.append(Recovered(key, str(data), None, error=str(final.get("error") or ""), permanent=True,
                                      final=code if isinstance(code, int) else errno.EIO, tried=False))
             continue
+        try:
+            _abort_uploads(journal, entry, remote)
+        except Exception as exc:  # noqa: BLE001 - the store is down, say: replayed with it later
+            results.append(Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc)))
+            continue
         results.append(_replay(journal, data, key, base, remote, attrs))
     return results
+
+
+def _abort_uploads(journal: Path, entry: dict, remote: Remote) -> None:
+    """Abort every upload session ``entry`` (the journal's content) names, then forget them in
+    the journal; raises (the rest kept) if the store cannot be asked."""
+    uploads = entry.get("uploads")
+    if not isinstance(uploads, dict) or not uploads:
+        return
+    for record in list(uploads.values()):
+        remote.abort_upload(record)
+        log.info("aborted the upload %s of %s left by an earlier daemon", record.get("id"), record.get("key"))
+        note_upload_in_journal(str(journal), record, False)
 
 
 def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote,

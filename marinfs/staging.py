@@ -48,6 +48,19 @@ def write_journal(path: str, entry: dict) -> None:
         raise
 
 
+def note_upload_in_journal(journal_path: str, record: dict, opened: bool) -> None:
+    """Add (``opened``) or remove an upload session's record in a journal no StagedFile holds
+    (a replay of a kept commit): while it is there, the next daemon aborts it before anything."""
+    entry = json.loads(Path(journal_path).read_text())
+    uploads = dict(entry.get("uploads") or {})
+    if opened:
+        uploads[record["id"]] = record
+    elif uploads.pop(record["id"], None) is None:
+        return
+    entry["uploads"] = uploads
+    write_journal(journal_path, entry)
+
+
 def mark_final(journal_path: str, error: str, code: int) -> None:
     """Note in a kept commit's journal that its failure is final (errors.FINAL_ERRNOS): the next
     daemon then leaves it alone (or, access denied, tries it once), not retrying it at every
@@ -111,6 +124,11 @@ class StagedFile:
         self.base_version = base_version
         self.attrs = attrs
         self._journaled = False
+        # Upload sessions the store keeps apart (S3 multipart uploads) opened for these bytes
+        # and not known to be over, by id: journaled, so a daemon killed meanwhile leaves the
+        # next one what to abort. ``leftover_uploads``: those still open when the journal went.
+        self.uploads: dict[str, dict] = {}
+        self.leftover_uploads: list[dict] = []
         self.lock = threading.RLock()
         self._seed = seed
         self.seeded = seed is None
@@ -142,6 +160,8 @@ class StagedFile:
                 self.streamed_attrs = attrs
             else:
                 self.stream = stream(self.fd, key, self.expected)
+            if isinstance(self.stream, PartStream):
+                self.stream.on_session = self.note_upload
 
     @property
     def failed_unchanged(self) -> bool:
@@ -234,7 +254,27 @@ class StagedFile:
                  "data": os.path.basename(self.path)}
         if self.attrs is not None and not self.attrs.empty:
             entry["attrs"] = attrs_to_json(self.attrs)
+        if self.uploads:
+            entry["uploads"] = dict(self.uploads)
         write_journal(self.journal_path, entry)
+
+    def note_upload(self, record: dict, opened: bool) -> None:
+        """An upload session of these bytes opened (journaled before its first part leaves)
+        or is over (completed, or aborted)."""
+        with self.lock:
+            if opened:
+                self.uploads[record["id"]] = record
+            elif self.uploads.pop(record["id"], None) is None:
+                return
+            if self._journaled:
+                self._write_journal()
+
+    def take_leftover_uploads(self) -> list[dict]:
+        """Sessions still open when the journal went (their abort failed, or runs): the
+        caller aborts them, since no journal names them any more."""
+        with self.lock:
+            out, self.leftover_uploads = self.leftover_uploads, []
+            return out
 
     def rekey(self, key: str) -> None:
         """The file was renamed: later commits (and a recovery) go to the new name."""
@@ -263,6 +303,9 @@ class StagedFile:
         if self._journaled:
             Path(self.journal_path).unlink(missing_ok=True)
             self._journaled = False
+        if self.uploads:
+            self.leftover_uploads += self.uploads.values()
+            self.uploads = {}
 
     def _poison(self, exc: OSError) -> None:
         """A write was lost (staging disk full...): the file must never be committed half-done."""

@@ -73,6 +73,16 @@ class Store:
     def put(self, rel: str, data: bytes) -> None:
         self.client.pipe_file(f"{self.root}/{rel}", data)
 
+    def incomplete_uploads(self) -> list[str]:
+        """Keys of the S3 multipart uploads under our prefix that were neither completed nor
+        aborted (billed on real S3 until someone aborts them). GCS's resumable sessions expire
+        by themselves and cannot be listed: none."""
+        if self.backend != "s3":
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        out = self.client.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+        return [u["Key"] for u in out.get("Uploads", [])]
+
 
 @pytest.fixture
 @tiers.needs("mount")
@@ -240,6 +250,9 @@ def test_server_killed_mid_multipart_upload_of_64_mib_then_back(store: Store, tm
         s.proxy.restart()
         assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
         wait_for(lambda: not journals(cache), within=5)
+        # No upload of ours is left: the one the server died in is aborted then or, if it could
+        # not be, by the retry pass before it uploads again (its journal names it).
+        wait_for(lambda: s.incomplete_uploads() == [], within=5)
 
 
 @cells("s3", "gcs")
@@ -300,11 +313,15 @@ def test_daemon_sigkilled_mid_upload_then_restarted_commits_everything(store: St
         sigkill(pid, mnt)
     assert s.proxy.counts["server stopped (request dropped)"] == 1
     assert len(journals(cache)) == 1 and s.cat("weights.bin") is None
+    if s.backend == "s3":  # the killed daemon's multipart upload, its journal names it
+        assert len(s.incomplete_uploads()) == 1
+        assert len(json.loads(journals(cache)[0].read_text()).get("uploads", {})) == 1
     started = time.monotonic()
     with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
         assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
         assert time.monotonic() - started < COMMIT_BOUND + 20, time.monotonic() - started
     assert not journals(cache)
+    assert s.incomplete_uploads() == []  # issue 37: the new daemon aborted it (it was left, billed)
 
 
 @cells("s3")

@@ -195,6 +195,76 @@ def test_a_journal_write_that_fails_removes_its_temporary(tmp_path: Path, monkey
     assert os.listdir(tmp_path / "staging") == []
 
 
+class RecordedSession:
+    """A part session the store keeps apart (an S3 multipart upload, as far as journals see)."""
+
+    part_size, ordered = 4, False
+    record = {"store": "fake", "bucket": "b", "key": "k", "id": "u-1"}
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None:
+        pass
+
+    def complete(self, parts: int, total: int) -> None:
+        return None
+
+    def abort(self) -> bool:
+        return True
+
+
+def test_the_journal_names_an_open_multipart_upload_and_recovery_aborts_it(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a killed daemon's incomplete multipart upload stayed in the bucket (billed on
+    S3). Its id is journaled before the first part leaves; the next daemon aborts it, then
+    replays; an abort that cannot be sent yet (the store down) keeps both for the next pass."""
+    import concurrent.futures as cf
+
+    from marinfs.uploads import PartStream
+
+    pool = cf.ThreadPoolExecutor(2)
+    staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url=remote.url,
+                        stream=lambda fd, key, expect: PartStream(fd, RecordedSession, 4, pool))
+    staged.write(b"0123456789", 0)  # two parts leave: the upload is open
+    assert json.loads(Path(staged.journal_path).read_text())["uploads"] == {"u-1": RecordedSession.record}
+    # The daemon is killed here. The next one:
+    down, aborted = [ConnectionResetError(errno.ECONNRESET, "injected: down")], []
+
+    def abort_upload(record: dict) -> None:
+        if down:
+            raise down[0]
+        aborted.append(record["id"])
+
+    monkeypatch.setattr(remote, "abort_upload", abort_upload)
+    (result,) = recover(tmp_path / "staging", remote)
+    assert result.committed_as is None and "down" in (result.error or "") and not remote.fs.exists(remote.full("k"))
+    assert json.loads(Path(staged.journal_path).read_text())["uploads"] == {"u-1": RecordedSession.record}
+    down.clear()
+    (result,) = recover(tmp_path / "staging", remote)
+    assert aborted == ["u-1"] and result.committed_as == "k"
+    assert remote.fs.cat_file(remote.full("k")) == b"0123456789" and not Path(staged.journal_path).exists()
+    pool.shutdown()
+
+
+def test_a_completed_upload_leaves_the_journal_and_a_commit_aborts_what_is_left(tmp_path: Path) -> None:
+    """A session completed goes from the journal; one still open when a commit succeeds (its
+    own abort failed) is handed to the caller to abort."""
+    import concurrent.futures as cf
+
+    from marinfs.uploads import PartStream
+
+    pool = cf.ThreadPoolExecutor(2)
+    staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x",
+                        stream=lambda fd, key, expect: PartStream(fd, RecordedSession, 4, pool))
+    staged.write(b"0123456789", 0)
+    staged.commit(lambda *a, **k: None)  # the stream completes the upload
+    assert not Path(staged.journal_path).exists() and staged.take_leftover_uploads() == []
+    staged.write(b"more", 10)
+    staged.note_upload({"store": "fake", "key": "k", "id": "u-2"}, True)  # an upload whose abort failed
+    assert "u-2" in json.loads(Path(staged.journal_path).read_text())["uploads"]
+    staged.commit(lambda *a, **k: None)
+    assert [r["id"] for r in staged.take_leftover_uploads()] == ["u-2"]
+    pool.shutdown()
+
+
 def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: Path, remote: Remote,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The retry pass uploads without the filesystem lock, so a close may fail meanwhile and

@@ -192,6 +192,10 @@ class Remote:
         # holds exactly version ``old`` of ``src`` as its version ``new`` (src, dst, old, new):
         # the filesystem moves open readers of that version there (set by fs.Filesystem).
         self.on_moved: Callable[[str, str, ObjectVersion, ObjectVersion], None] | None = None
+        # Told when an upload of a local file opens or ends a session the store keeps apart
+        # (an S3 multipart upload): (the local file, the session's record, opened?), so the
+        # file's journal names it and the next daemon can abort it (set by fs.Filesystem).
+        self.on_upload_session: Callable[[str, dict[str, Any], bool], None] | None = None
         try:
             protocol = protocol_of(url)
             self._prepare_environment()
@@ -552,6 +556,11 @@ class Remote:
                      attrs: PosixAttrs | None = None) -> Any:
         """A multipart (S3) or resumable (GCS) upload of ``key``; only where ``streams``."""
         raise NotImplementedError(f"{self.protocol} uploads are not sent in parts")
+
+    def abort_upload(self, record: dict[str, Any]) -> None:
+        """Abort the upload a session's ``record`` names (journaled while it was open; the
+        daemon that opened it may have been killed). Records of other stores are dropped."""
+        log.debug("no upload of this kind to abort on %s: %s", self.url, record.get("store"))
 
     # -- persisted POSIX metadata --------------------------------------------------------------
     def _require_posix(self, attrs: PosixAttrs | None) -> None:

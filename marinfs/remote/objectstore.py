@@ -142,8 +142,10 @@ class ObjectStoreRemote(Remote, abc.ABC):
             # S3 allows 10,000 parts: files past 160 GB get bigger parts, fewer at a time.
             part = max(self.settings.upload_part_size, -(-size // S3_MAX_PARTS // MiB) * MiB)
             in_flight = max(1, min(self.settings.upload_concurrency, (256 * MiB) // part))
+            hook = self.on_upload_session
+            note = (lambda record, opened: hook(local_path, record, opened)) if hook is not None else None
             return upload_file(local_path, lambda: self.part_session(key, expect, part, attrs),
-                               part, self.part_pool, in_flight)
+                               part, self.part_pool, in_flight, on_session=note)
         with open(local_path, "rb") as f:
             version = self._put_small(f.read(), key, expect, attrs)
         self.stats.add_bytes(bytes_out=size)
