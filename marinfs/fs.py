@@ -1599,16 +1599,14 @@ class Filesystem:
                 log.debug("could not note the end of an upload in %s: %s", local_path, exc)
 
     def _abort_leftovers(self, staged: StagedFile) -> None:
-        """Abort, in the background, upload sessions of ``staged`` that no journal names any
-        more (their own abort failed, or is still on its way: a second one is harmless)."""
+        """Abort upload sessions of ``staged`` that no journal names any more (their own abort
+        failed, or is still on its way: a second one is harmless). Rare, so here and now: a
+        background abort could be cancelled by the unmount that follows."""
         for record in staged.take_leftover_uploads():
-            self.remote.part_pool.submit(self._abort_quietly, record)
-
-    def _abort_quietly(self, record: dict[str, Any]) -> None:
-        try:
-            self.remote.abort_upload(record)
-        except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
-            log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
+            try:
+                self.remote.abort_upload(record)
+            except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
+                log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
 
     def _moved(self, src: str, dst: str, old: ObjectVersion, new: ObjectVersion) -> None:
         """The remote made ``dst`` a copy of exactly version ``old`` of ``src``, as its version
