@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from marinfs.errors import PreconditionFailed
+from marinfs.errors import CURABLE_ERRNOS, PreconditionFailed, is_final
 from marinfs.objects import ABSENT, ObjectVersion
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,23 @@ def commit_or_conflict(upload: Upload, key: str, base: ObjectVersion | None, sta
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """A commit failure that retrying will not cure by itself: access denied or bad credentials
-    (PermissionError), the bucket or prefix gone (FileNotFoundError). Someone may still fix
-    it (new credentials, the bucket recreated), so these are retried all the same, quietly."""
-    return isinstance(exc, (PermissionError, FileNotFoundError))
+    """A commit failure that retrying will not cure by itself: a final one (errors.is_final: a
+    key the store cannot hold, access denied), or the bucket or prefix gone (FileNotFoundError:
+    someone may recreate it, so that one is still retried, quietly)."""
+    return isinstance(exc, (PermissionError, FileNotFoundError)) or is_final(exc)
+
+
+# When a failed commit is tried again (FailedCommit.retry): every --commit-retry-interval; for a
+# final failure someone may cure (access denied), once when the next daemon starts; for a name
+# the store can never hold, never (the bytes stay on disk for whoever wants them).
+RETRY_INTERVAL, RETRY_NEXT_START, RETRY_NEVER = "every interval", "at the next start", "never"
+
+
+def retry_of(code: int | None) -> str:
+    """How a failed commit whose final errno is ``code`` (None: not final) is tried again."""
+    if code is None:
+        return RETRY_INTERVAL
+    return RETRY_NEXT_START if code in CURABLE_ERRNOS else RETRY_NEVER
 
 
 def describe(exc: BaseException) -> str:
@@ -88,6 +101,12 @@ class FailedCommit:
     permanent: bool = False
     attempts: int = 1
     since: float = 0.0  # wall-clock time of the first failure
+    retry: str = RETRY_INTERVAL  # when it is tried again (see retry_of)
+
+    @property
+    def final(self) -> bool:
+        """Not tried again by this daemon: the error is one no retry changes."""
+        return self.retry != RETRY_INTERVAL
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "final": self.final}

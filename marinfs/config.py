@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.errors import UsageError
-from marinfs.settings import (BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
-                              PATH, REMOTE, SECONDS, SIZE, TEXT, TOML, Bad, Setting, parse_mode, parse_size,
+from marinfs.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
+                              PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, parse_mode, parse_size,
                               parse_storage_option, setting, table)
 
 def default_cache_dir() -> Path:
@@ -47,6 +47,9 @@ def normalize_remote(remote: str, cwd: str | None = None) -> str:
     return re.sub(r"/{2,}", "/", path)
 
 
+# uid_t and gid_t are 32 bits, and (uid_t) -1 means "unchanged" to chown(2): never an owner.
+UID_MAX = 2**32 - 2
+
 _NOT_FSTAB = frozenset({FLAG, TOML, ENV, CHILD})  # a list or table has no place in a comma-separated -o
 
 
@@ -67,11 +70,20 @@ class MountConfig:
         False, kind=BOOL, help="let other users see the mount",
         doc="let other users use the mount (adds `default_permissions`; non-root needs "
             "`user_allow_other` in `/etc/fuse.conf`)")
-    uid: int = setting(factory=os.getuid, kind=INT, low=0, doc_default="the mounting user",
+    allow_non_empty: bool = setting(
+        False, kind=BOOL, fstab_aliases={"nonempty": True},
+        help="mount over a directory that holds files (hidden while mounted)",
+        doc="mount over a directory that holds files: they are hidden, untouched, while mounted "
+            "(rclone's `--allow-non-empty`, libfuse 2's `nonempty`); without it such a mount is refused "
+            "with one line")
+    uid: int = setting(factory=os.getuid, kind=INT, low=0, high=UID_MAX, doc_default="the mounting user",
                        help="owner shown for every file and directory")
-    gid: int = setting(factory=os.getgid, kind=INT, low=0, doc_default="the mounting user's group",
+    gid: int = setting(factory=os.getgid, kind=INT, low=0, high=UID_MAX, doc_default="the mounting user's group",
                        help="group shown for every file and directory")
-    file_mode: int = setting(0o644, kind=MODE, low=0, high=0o7777, help="permissions shown for files (octal)")
+    file_mode: int = setting(
+        0o644, kind=MODE, low=0, high=0o777, help="permissions shown for files (octal)",
+        doc="permissions shown for files (octal, up to `0777`: setuid, setgid or sticky on every file is "
+            "never meant; `chmod` of one file still keeps its own)")
     dir_mode: int = setting(0o755, kind=MODE, low=0, high=0o7777, help="permissions shown for directories (octal)")
     log_level: str = setting("info", kind=CHOICE, choices=LOG_LEVELS, help="debug, info, warning or error")
     log_file: str | None = setting(
@@ -134,7 +146,7 @@ class MountConfig:
     # Prometheus metrics on METRICS_ADDR:PORT; 0 is off. Local only unless asked otherwise.
     metrics_port: int = setting(0, kind=INT, low=0, high=65535, doc_default="0 (off)",
                                 help="serve Prometheus metrics on ADDR:PORT/metrics (0: off)")
-    metrics_addr: str = setting("127.0.0.1", kind=TEXT,
+    metrics_addr: str = setting("127.0.0.1", kind=ADDRESS,
                                 help="address the metrics server binds (local only unless you change it)")
     # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
     connect_timeout: float = setting(30.0, kind=SECONDS, low=0, help="seconds to connect to the remote")

@@ -57,6 +57,42 @@ def check_mountpoint(mountpoint: str) -> None:
         raise UsageError(f"mountpoint {mountpoint} is not a directory")
 
 
+def check_empty(mountpoint: str, allow_non_empty: bool) -> None:
+    """A mount hides what its mountpoint holds: refused, as rclone refuses it, unless asked for
+    (then said in the log). Users otherwise met files gone without a word."""
+    try:
+        names = sorted(os.listdir(mountpoint))
+    except OSError:
+        return  # unreadable: FUSE itself says whatever is wrong
+    if not names:
+        return
+    what = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}, such as {names[0]!r}"
+    if not allow_non_empty:
+        raise UsageError(f"mountpoint {mountpoint} is not empty ({what}): the mount would hide them; "
+                         f"empty it, or pass --allow-non-empty")
+    log.warning("mountpoint %s is not empty (%s): hidden while mounted (--allow-non-empty)", mountpoint, what)
+
+
+def check_overlap(remote: str, mountpoint: str) -> None:
+    """A local remote must lie apart from its mountpoint. The same directory, a remote inside
+    the mountpoint or the mountpoint inside the remote: the daemon would serve the mount from
+    the mount itself, each op calling back into its own FUSE connection until libfuse's threads
+    are all waiting on each other (the first ``ls`` in state D, unkillable; issue 37)."""
+    if "://" in remote:  # an object store or another fsspec URL (local ones are paths by now)
+        return
+    real_remote, real_mount = os.path.realpath(remote), os.path.realpath(mountpoint)
+    if real_remote == real_mount:
+        where = f"REMOTE {remote} is the mountpoint {mountpoint} itself"
+    elif real_remote.startswith(real_mount.rstrip("/") + "/"):
+        where = f"REMOTE {remote} is inside the mountpoint {mountpoint}"
+    elif real_mount.startswith(real_remote.rstrip("/") + "/"):
+        where = f"the mountpoint {mountpoint} is inside REMOTE {remote}"
+    else:
+        return
+    raise UsageError(f"{where}: the daemon would call into its own mount and hang; "
+                     f"mount a directory outside the mountpoint")
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -107,14 +143,15 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     max_readahead_chunks=cfg.max_readahead_chunks, drain_timeout=cfg.drain_timeout,
                     list_prefetch=cfg.list_prefetch and remote.object_store,
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
-    fs.recover_staged()  # what an earlier run staged but never committed
+    fs.recover_staged(at_start=True)  # what an earlier run staged but never committed
     return fs
 
 
-def write_stats(fs, cfg: MountConfig, started: float) -> None:  # noqa: ANN001 - Filesystem
-    """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600)."""
+def write_stats(fs, cfg: MountConfig, started: float, stopped: bool = False) -> None:  # noqa: ANN001 - Filesystem
+    """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600); ``stopped``:
+    the last figures, once unmounted and drained (`marinfs umount` reads what is left behind)."""
     data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-            "uptime_s": round(time.monotonic() - started, 1), **fs.stats()}
+            "uptime_s": round(time.monotonic() - started, 1), "stopped": stopped, **fs.stats()}
     path = stats_file(cfg.cache_dir)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -138,6 +175,10 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     if stop.is_set():
         return
     live.set()
+    try:
+        write_stats(fs, cfg, started)  # at once: `marinfs status` right after the mount has figures
+    except OSError as exc:
+        log.debug("cannot write stats: %s", exc)
     sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
@@ -180,20 +221,27 @@ def run_foreground(cfg: MountConfig) -> None:
     """Check everything, then serve the mount until it is unmounted or signalled."""
     setup_logging(cfg.log_level, cfg.log_file)
     check_mountpoint(cfg.mountpoint)
+    check_overlap(cfg.remote, cfg.mountpoint)
+    check_empty(cfg.mountpoint, cfg.allow_non_empty)
     fs = build_filesystem(cfg)
     from marinfs.fuse_ops import FuseAdapter, serve
 
     adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode, passthrough=cfg.passthrough)
-    state = state_file(cfg.mountpoint)
-    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),
-                                 "settings": effective_settings(cfg)}))
     if cfg.metrics_port:
         from marinfs.metrics import Metrics
 
         adapter.metrics = Metrics(fs)
-        adapter.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        try:
+            adapter.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+        except OSError as exc:  # taken, not an address of this machine, a name that does not resolve
+            fs.close()
+            raise UsageError(f"--metrics-addr {cfg.metrics_addr} --metrics-port {cfg.metrics_port}: cannot serve "
+                             f"metrics there ({exc.strerror or exc})") from None
         log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
+    state = state_file(cfg.mountpoint)
+    state.write_text(json.dumps({"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
+                                 "log_file": cfg.log_file, "cache_dir": str(cfg.cache_dir),
+                                 "started": time.time(), "settings": effective_settings(cfg)}))
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
@@ -213,10 +261,13 @@ def run_foreground(cfg: MountConfig) -> None:
         state.unlink(missing_ok=True)
         fs.close()
         try:
-            write_stats(fs, cfg, time.monotonic())
+            write_stats(fs, cfg, time.monotonic(), stopped=True)
         except OSError:
             pass
     log.info("unmounted %s", cfg.mountpoint)
+    left = left_behind(fs.upload_status(), cfg.cache_dir)
+    if left:
+        log.error("%s", left)
     if not fs.drained:
         # Commits still hang on the remote; their journals are on disk. Do not let Python's
         # exit wait for the upload threads: the drain timeout is the bound we promised.
@@ -227,6 +278,8 @@ def run_foreground(cfg: MountConfig) -> None:
 def start_background(cfg: MountConfig) -> Path:
     """Start a foreground daemon detached from us; return once the mount is live."""
     check_mountpoint(cfg.mountpoint)
+    check_overlap(cfg.remote, cfg.mountpoint)
+    check_empty(cfg.mountpoint, cfg.allow_non_empty)
     # The remote (URL, bucket, endpoint, credentials) is checked once, by the daemon before it
     # mounts: checking it here too cost every mount a second import of s3fs or gcsfs (1-4 s)
     # and a second request. Bad input still fails with its one line and exit code 2 (below).
@@ -284,15 +337,34 @@ def _failure_reason(log_file: Path, start: int) -> str | None:
     return None
 
 
+def left_behind(uploads: Mapping[str, list], cache_dir: str | Path) -> str | None:
+    """One line naming the files a stopped daemon leaves uncommitted (their bytes kept in the
+    cache directory's staging area), or None when it leaves nothing."""
+    failed, pending = list(uploads.get("failed") or []), list(uploads.get("pending") or [])
+    if not failed and not pending:
+        return None
+    what = [f"{f['key']} ({'never retried' if f.get('retry') == 'never' else 'retried at the next start'}"
+            f"{': ' + f['error'] if f.get('error') else ''})" for f in failed]
+    what += [f"{key} (pending, committed at the next start)" for key in pending]
+    n = len(what)
+    shown = "; ".join(what[:5]) + (f"; and {n - 5} more" if n > 5 else "")
+    return (f"{n} file{'s' if n != 1 else ''} left uncommitted, the bytes kept in {Path(cache_dir) / 'staging'} "
+            f"(`marinfs status` of the next mount on that cache directory lists them): {shown}")
+
+
 def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
-    """Unmount a marinfs mount and wait for its daemon to finish (it commits what is open)."""
+    """Unmount a marinfs mount and wait for its daemon to finish (it commits what is open).
+    A daemon that leaves files uncommitted makes this fail (MountError) with one line saying
+    which and where their bytes are, though the mount is gone."""
     mountpoint = os.path.abspath(mountpoint)
     if mountpoint not in {e.mountpoint for e in live_mounts()}:
         raise UsageError(f"{mountpoint} is not a marinfs mount")
-    pid = None
+    pid, cache_dir = None, None
     state = state_file(mountpoint)
     if state.exists():
-        pid = json.loads(state.read_text()).get("pid")
+        info = json.loads(state.read_text())
+        pid, cache_dir = info.get("pid"), info.get("cache_dir")
+    was_alive = bool(pid) and alive(pid)  # a killed daemon's figures are stale
     tool = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
     result = subprocess.run([tool, "-u", *(["-z"] if lazy else []), mountpoint],
                             capture_output=True, text=True)
@@ -305,6 +377,15 @@ def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> None:
             if time.monotonic() > deadline:
                 raise MountError(f"{mountpoint} is unmounted but daemon {pid} is still running")
             time.sleep(0.05)
+    if was_alive and cache_dir:
+        try:
+            published = json.loads(stats_file(Path(cache_dir)).read_text())
+        except (OSError, ValueError):
+            return
+        if published.get("pid") == pid and published.get("stopped"):
+            left = left_behind(published.get("uploads") or {}, cache_dir)
+            if left:
+                raise MountError(f"unmounted {mountpoint}, but {left}")
 
 
 def alive(pid: int) -> bool:

@@ -46,6 +46,36 @@ class FsError(OSError):
         super().__init__(code, detail or errno.errorcode.get(code, str(code)))
 
 
+# Answers that no retry changes: the store can never hold the name (too long, not UTF-8), or it
+# refuses us (access denied). A commit that meets one is final: its bytes are kept on disk,
+# reported once and not retried in a loop (docs/reliability.md).
+FINAL_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EACCES, errno.EPERM})
+# Of those, what someone may cure outside marinfs (credentials, a bucket policy): a final commit
+# that failed so is tried once more when the next daemon starts; a bad name never is.
+CURABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+
+
+def final_errno(exc: BaseException) -> int | None:
+    """The errno of ``exc`` (or of what explicitly caused it) when it is one no retry can change
+    (FINAL_ERRNOS), else None. An access refusal without an errno counts as EACCES."""
+    current: BaseException | None = exc
+    for _ in range(5):
+        if current is None:
+            break
+        if isinstance(current, OSError):
+            code = current.errno if isinstance(current.errno, int) and current.errno > 0 else None
+            if code is None and isinstance(current, PermissionError):
+                code = errno.EACCES
+            if code in FINAL_ERRNOS:
+                return code
+        current = current.__cause__
+    return None
+
+
+def is_final(exc: BaseException) -> bool:
+    return final_errno(exc) is not None
+
+
 # Exception class -> errno. Order matters: the first matching class wins, so subclasses come first.
 ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (FileNotFoundError, errno.ENOENT),

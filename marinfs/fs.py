@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from cachetools import LRUCache
 
-from marinfs.commit import FailedCommit, commit_or_conflict, describe, is_permanent
-from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError
+from marinfs.commit import RETRY_NEXT_START, FailedCommit, commit_or_conflict, describe, is_permanent, retry_of
+from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, final_errno
 from marinfs.listings import ListingPrefetcher
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
@@ -39,7 +39,7 @@ from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
 from marinfs.uploads import PartStream
-from marinfs.staging import StagedFile
+from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
 from marinfs.threadnames import start_thread
 from marinfs.walkahead import WalkAhead
 
@@ -194,6 +194,7 @@ class Filesystem:
                  uid: int | None = None, gid: int | None = None) -> None:
         self.remote = remote
         remote.on_moved = self._moved  # a rename's pinned copy: its readers here follow it
+        remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._renaming = threading.local()  # .moves: what this thread's rename's copies told
         # What every file shows when nothing is stored for it: a chmod, chown or create mode
         # equal to these is not stored (it changes nothing anyone sees).
@@ -790,32 +791,38 @@ class Filesystem:
             for key in [k for k, s in self._staged.items() if s is staged]:
                 del self._staged[key]
         staged.discard()
+        self._abort_leftovers(staged)
         if staged.kept:
             error = staged.last_error
+            code = final_errno(error) if error is not None else None
             entry = FailedCommit(staged.key, staged.path, describe(error) if error else "",
                                  error is not None and is_permanent(error), attempts=max(1, staged.failures),
-                                 since=time.time())
+                                 since=time.time(), retry=retry_of(code))
+            if code is not None:  # the next daemon leaves it alone too (or, denied, tries it once)
+                mark_final(staged.journal_path, entry.error, code)
             with self._lock:
                 self.failed_commits.append(entry)
             self._report_failed(entry, None)
 
     def retry_failed_commits(self) -> list[Recovered]:
         """Commit again what failed before (the daemon calls this every commit retry interval).
-        Nothing to retry: nothing is asked of the remote."""
+        Nothing to retry (none failed, or only finally): nothing is asked of the remote."""
         with self._lock:
-            if not self.failed_commits:
+            if not any(not f.final for f in self.failed_commits):
                 return []
         return self.recover_staged()
 
-    def recover_staged(self) -> list[Recovered]:
+    def recover_staged(self, at_start: bool = False) -> list[Recovered]:
         """Replay every journal in the staging directory whose file is not open here (a crashed
         run's, or a failed commit's), and merge what still fails into ``failed_commits``.
+        Journals of final failures are left alone (``at_start``: access refusals are tried once
+        more), and listed.
 
         The remote is called without ``_lock``: a close failing meanwhile appends its own entry,
         and the merge keeps it unless this pass committed its bytes."""
         with self._lock:
             before = {f.staged: f for f in self.failed_commits}
-        results = recover(self.staging_dir, self.remote, self.open_staging_files())
+        results = recover(self.staging_dir, self.remote, self.open_staging_files(), at_start=at_start)
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self._lock:
@@ -829,10 +836,14 @@ class Filesystem:
                         self.conflicts.append({"key": r.key, "committed_as": r.committed_as})
                     continue
                 prev = current.get(r.staged) or before.get(r.staged)
+                if not r.tried and prev is not None:
+                    merged[r.staged] = prev  # a final failure this daemon knows: nothing new
+                    continue
                 entry = FailedCommit(r.key, r.staged, r.error or "", r.permanent,
-                                     attempts=prev.attempts + 1 if prev else 1, since=prev.since if prev else now)
+                                     attempts=(prev.attempts if prev else 0) + (1 if r.tried else 0) or 1,
+                                     since=prev.since if prev else now, retry=retry_of(r.final))
                 merged[r.staged] = entry
-                reports.append((entry, prev))
+                reports.append((entry, None if not r.tried else prev))
             self.failed_commits[:] = merged.values()
         for entry, prev in reports:
             self._report_failed(entry, prev)
@@ -841,8 +852,17 @@ class Filesystem:
     @staticmethod
     def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:
         """One ERROR line when the bytes are first kept, or when a failure turns out to be one
-        that retrying will not cure; later attempts: WARNING if it may pass, else quietly."""
-        if entry.permanent and not (prev is not None and prev.permanent):
+        that retrying will not cure; later attempts: WARNING if it may pass, else quietly. A
+        final failure is reported once by the daemon that met it (and once more by a daemon
+        that finds it kept, at its start) and never again: it is not retried in a loop."""
+        if entry.final and not (prev is not None and prev.final):
+            when = ("it is tried once more at the next start (fix the credentials or the bucket's policy, "
+                    "then remount)" if entry.retry == RETRY_NEXT_START else "it is never tried again")
+            log.error("cannot commit %s: %s; no retry can change this, so %s; its bytes are kept in %s",
+                      entry.key, entry.error, when, entry.staged)
+        elif entry.final:
+            log.debug("commit of %s still fails finally: %s", entry.key, entry.error)
+        elif entry.permanent and not (prev is not None and prev.permanent):
             log.error("cannot commit %s: %s; this will not pass by retrying (check the credentials and the "
                       "bucket); its bytes are kept in %s and retried", entry.key, entry.error, entry.staged)
         elif prev is None:
@@ -1084,6 +1104,7 @@ class Filesystem:
         is stored only if it is not the mount's ``--file-mode``, so plain writes carry nothing."""
         self._writable()
         key = key_of(path)
+        self.remote.check_key(key)  # a name the store cannot hold fails here, not at every commit
         existing = self._lookup_or_none(key)
         if existing is not None:
             if flags & os.O_EXCL:
@@ -1264,6 +1285,7 @@ class Filesystem:
         # The next commit of this file replaces exactly what we wrote: the version the upload
         # answered (a stat could already show a later writer's object), else the stat's.
         staged.base_version = version or info.version
+        self._abort_leftovers(staged)
         # The kernel may still hold the writer's mtime for a moment: keep showing it for the
         # version we wrote, so tools that compare stats (tar) do not see a change that was not.
         if info.version:
@@ -1380,6 +1402,7 @@ class Filesystem:
             raise FsError(errno.ENOENT, "an empty link target")
         if len(data) >= PATH_MAX:
             raise FsError(errno.ENAMETOOLONG, "link target")
+        self.remote.check_key(key)
         if not key or self._lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
@@ -1470,6 +1493,7 @@ class Filesystem:
         """A directory; its mode is stored only if it is not the mount's ``--dir-mode``."""
         self._writable()
         key = key_of(path)
+        self.remote.check_key(key)
         if not key or self._lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self._require_dir(posixpath.dirname(key))
@@ -1514,6 +1538,7 @@ class Filesystem:
         src, dst = key_of(old), key_of(new)
         if src == dst:
             return
+        self.remote.check_key(dst)
         if not src or dst.startswith(src + "/"):
             raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
         info = self.lookup(src)
@@ -1607,6 +1632,31 @@ class Filesystem:
             if now is not None and now.same_file(version):
                 moves.append((handle, was, version, key, now))
         self._follow(moves)
+
+    def _upload_session(self, local_path: str, record: dict[str, Any], opened: bool) -> None:
+        """An upload of staging file ``local_path`` opened (or ended) a session the store keeps
+        apart: its staged file journals it, or, for a replay of a kept commit, its journal."""
+        with self._lock:
+            staged = next((st for st in self._staged.values() if st.path == local_path), None)
+        if staged is not None:
+            staged.note_upload(record, opened)
+        else:
+            try:
+                note_upload_in_journal(local_path + JOURNAL_SUFFIX, record, opened)
+            except (OSError, ValueError) as exc:
+                if opened:
+                    raise  # not begun: nobody could find it again
+                log.debug("could not note the end of an upload in %s: %s", local_path, exc)
+
+    def _abort_leftovers(self, staged: StagedFile) -> None:
+        """Abort upload sessions of ``staged`` that no journal names any more (their own abort
+        failed, or is still on its way: a second one is harmless). Rare, so here and now: a
+        background abort could be cancelled by the unmount that follows."""
+        for record in staged.take_leftover_uploads():
+            try:
+                self.remote.abort_upload(record)
+            except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
+                log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
 
     def _moved(self, src: str, dst: str, old: ObjectVersion, new: ObjectVersion) -> None:
         """The remote made ``dst`` a copy of exactly version ``old`` of ``src``, as its version

@@ -9,19 +9,31 @@ someone else changed it meanwhile, they are committed next to it as
 ``KEY.marinfs-conflict-<UTC time>-<id>`` and the other writer's object is left alone. Nothing is
 deleted before the remote has the bytes. Failures are returned, not logged: the caller knows
 whether it has reported them already.
+
+A failure no retry can change (errors.FINAL_ERRNOS: a key the store cannot hold, access denied)
+is noted in the journal (``final``). Such a journal is not replayed again: its bytes stay on
+disk and are returned as a failure not tried; only at a daemon's start is a final access
+refusal tried once more (credentials may have been fixed meanwhile).
+
+Before a replay, the upload sessions the journal names (``uploads``: S3 multipart uploads its
+daemon opened and did not see end, because it was killed or the store was down) are aborted:
+an incomplete multipart upload is kept, and billed, until someone does. One that cannot be
+aborted yet (the store down) fails the replay; it is tried again with it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.commit import commit_or_conflict, conflict_name, describe, is_permanent
+from marinfs.errors import CURABLE_ERRNOS, final_errno
 from marinfs.objects import ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json
+from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json, mark_final, note_upload_in_journal
 
 __all__ = ["Recovered", "conflict_name", "recover"]
 
@@ -36,11 +48,15 @@ class Recovered:
     conflict: bool = False
     error: str | None = None  # why the commit failed (one line)
     permanent: bool = False  # the failure will not pass by retrying (see marinfs.commit)
+    final: int | None = None  # its errno when no retry can change it (errors.FINAL_ERRNOS)
+    tried: bool = True  # False: a final failure left alone this time (nothing was sent)
 
 
-def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset()) -> list[Recovered]:
+def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(),
+            at_start: bool = False) -> list[Recovered]:
     """Replay every journal of ``remote`` in ``staging_dir`` whose data file is not in ``skip``
-    (files still open in this daemon)."""
+    (files still open in this daemon), but those marked final (``at_start``: but those marked
+    final for a bad name, CURABLE_ERRNOS being tried once more)."""
     results = []
     if not staging_dir.is_dir():
         return results
@@ -58,8 +74,31 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
         if not data.exists():
             journal.unlink(missing_ok=True)
             continue
+        final = entry.get("final")
+        if isinstance(final, dict) and not (at_start and final.get("errno") in CURABLE_ERRNOS):
+            code = final.get("errno")
+            results.append(Recovered(key, str(data), None, error=str(final.get("error") or ""), permanent=True,
+                                     final=code if isinstance(code, int) else errno.EIO, tried=False))
+            continue
+        try:
+            _abort_uploads(journal, entry, remote)
+        except Exception as exc:  # noqa: BLE001 - the store is down, say: replayed with it later
+            results.append(Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc)))
+            continue
         results.append(_replay(journal, data, key, base, remote, attrs))
     return results
+
+
+def _abort_uploads(journal: Path, entry: dict, remote: Remote) -> None:
+    """Abort every upload session ``entry`` (the journal's content) names, then forget them in
+    the journal; raises (the rest kept) if the store cannot be asked."""
+    uploads = entry.get("uploads")
+    if not isinstance(uploads, dict) or not uploads:
+        return
+    for record in list(uploads.values()):
+        remote.abort_upload(record)
+        log.info("aborted the upload %s of %s left by an earlier daemon", record.get("id"), record.get("key"))
+        note_upload_in_journal(str(journal), record, False)
 
 
 def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remote,
@@ -73,7 +112,10 @@ def _replay(journal: Path, data: Path, key: str, base: str | None, remote: Remot
         # Replace exactly the version the writer started from (None: it did not exist).
         done = commit_or_conflict(upload, key, ObjectVersion.parse(base) if base is not None else None, data)
     except Exception as exc:  # noqa: BLE001 - reported by the caller; the bytes stay for the next attempt
-        return Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc))
+        code = final_errno(exc)
+        if code is not None:
+            mark_final(str(journal), describe(exc), code)
+        return Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc), final=code)
     journal.unlink(missing_ok=True)
     data.unlink(missing_ok=True)
     if not done.conflict:

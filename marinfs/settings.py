@@ -12,6 +12,7 @@ before (the background child lost ``--mount-timeout``); a new field now reaches 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -166,6 +167,24 @@ def _text(v: object, base: str | None) -> str:
     return v.strip()
 
 
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _address(v: object, base: str | None) -> str:
+    """An IP address (``127.0.0.1``, ``::1``) or a host name by RFC 1123. ``999.1.1.1`` is
+    neither: a name whose last label is all digits is an IPv4 address or nothing."""
+    text = _text(v, base)
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return text.strip("[]")
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    if len(text) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit():
+        return text
+    raise Bad(f"{text!r} is not an IP address or a host name")
+
+
 def _path(v: object, base: str | None) -> str:
     # Relative paths in a file are relative to the file, not to wherever systemd started us.
     return os.path.abspath(os.path.join(base or os.getcwd(), os.path.expanduser(_text(v, base))))
@@ -247,6 +266,7 @@ SECONDS = Kind("SECONDS", _seconds, show=lambda v: f"{v:g}" if float(f"{v:g}") =
 SIZE = Kind("SIZE", _size, show=format_size)
 MODE = Kind("MODE", _mode, show=lambda v: f"0{v:o}")
 TEXT = Kind("TEXT", _text)
+ADDRESS = Kind("ADDR", _address)
 CHOICE = Kind("NAME", _lower_text)
 PATH = Kind("PATH", _path)
 DIR = Kind("DIR", _dir, to_json=str)

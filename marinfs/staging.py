@@ -8,6 +8,7 @@ truncation and ``O_RDWR`` therefore work as on a local disk; only the commit is 
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -33,12 +34,43 @@ def write_journal(path: str, entry: dict) -> None:
     and an fsync per new file would halve the speed of ``tar -x``.
     """
     tmp = path + ".tmp"
+    data = json.dumps(entry).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(entry).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            if os.write(fd, data) != len(data):  # a full disk may take part of it
+                raise OSError(errno.ENOSPC, "the journal was written short", tmp)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # never a torn or empty journal left for good
+        raise
+
+
+def note_upload_in_journal(journal_path: str, record: dict, opened: bool) -> None:
+    """Add (``opened``) or remove an upload session's record in a journal no StagedFile holds
+    (a replay of a kept commit): while it is there, the next daemon aborts it before anything."""
+    entry = json.loads(Path(journal_path).read_text())
+    uploads = dict(entry.get("uploads") or {})
+    if opened:
+        uploads[record["id"]] = record
+    elif uploads.pop(record["id"], None) is None:
+        return
+    entry["uploads"] = uploads
+    write_journal(journal_path, entry)
+
+
+def mark_final(journal_path: str, error: str, code: int) -> None:
+    """Note in a kept commit's journal that its failure is final (errors.FINAL_ERRNOS): the next
+    daemon then leaves it alone (or, access denied, tries it once), not retrying it at every
+    start. Best effort: a journal that cannot be rewritten stays as it was (and is retried)."""
+    try:
+        entry = json.loads(Path(journal_path).read_text())
+        entry["final"] = {"error": error, "errno": code, "since": time.time()}
+        write_journal(journal_path, entry)
+    except (OSError, ValueError) as exc:
+        log.warning("cannot mark %s as final (%s); it will be tried again at the next start", journal_path, exc)
 
 
 def attrs_to_json(attrs: PosixAttrs) -> dict:
@@ -92,6 +124,11 @@ class StagedFile:
         self.base_version = base_version
         self.attrs = attrs
         self._journaled = False
+        # Upload sessions the store keeps apart (S3 multipart uploads) opened for these bytes
+        # and not known to be over, by id: journaled, so a daemon killed meanwhile leaves the
+        # next one what to abort. ``leftover_uploads``: those still open when the journal went.
+        self.uploads: dict[str, dict] = {}
+        self.leftover_uploads: list[dict] = []
         self.lock = threading.RLock()
         self._seed = seed
         self.seeded = seed is None
@@ -101,7 +138,12 @@ class StagedFile:
         self.changes = 0  # writes, truncates and renames so far
         self.failed_changes = -1  # ``changes`` when a commit last failed
         if dirty:  # a new or truncated file: it is committed even if nothing is written
-            self._mark_dirty()
+            try:
+                self._mark_dirty()
+            except BaseException:  # its journal found no room: nothing of this file stays
+                os.close(fd)
+                Path(self.path).unlink(missing_ok=True)
+                raise
         self.mtime_ns = time.time_ns()
         self.refs = 0
         self.failed_write = 0  # errno of a write that did not reach the staging file
@@ -118,6 +160,8 @@ class StagedFile:
                 self.streamed_attrs = attrs
             else:
                 self.stream = stream(self.fd, key, self.expected)
+            if isinstance(self.stream, PartStream):
+                self.stream.on_session = self.note_upload
 
     @property
     def failed_unchanged(self) -> bool:
@@ -212,7 +256,27 @@ class StagedFile:
                  "data": os.path.basename(self.path)}
         if self.attrs is not None and not self.attrs.empty:
             entry["attrs"] = attrs_to_json(self.attrs)
+        if self.uploads:
+            entry["uploads"] = dict(self.uploads)
         write_journal(self.journal_path, entry)
+
+    def note_upload(self, record: dict, opened: bool) -> None:
+        """An upload session of these bytes opened (journaled before its first part leaves)
+        or is over (completed, or aborted)."""
+        with self.lock:
+            if opened:
+                self.uploads[record["id"]] = record
+            elif self.uploads.pop(record["id"], None) is None:
+                return
+            if self._journaled:
+                self._write_journal()
+
+    def take_leftover_uploads(self) -> list[dict]:
+        """Sessions still open when the journal went (their abort failed, or runs): the
+        caller aborts them, since no journal names them any more."""
+        with self.lock:
+            out, self.leftover_uploads = self.leftover_uploads, []
+            return out
 
     def rekey(self, key: str) -> None:
         """The file was renamed: later commits (and a recovery) go to the new name."""
@@ -241,6 +305,9 @@ class StagedFile:
         if self._journaled:
             Path(self.journal_path).unlink(missing_ok=True)
             self._journaled = False
+        if self.uploads:
+            self.leftover_uploads += self.uploads.values()
+            self.uploads = {}
 
     def _poison(self, exc: OSError) -> None:
         """A write was lost (staging disk full...): the file must never be committed half-done."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
                 if published.get("pid") == info.get("pid"):
                     item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "passthrough")
                                  if k in published})
+            if "uptime_s" not in item and isinstance(info.get("started"), (int, float)):
+                # Nothing published yet (the daemon publishes every 2 s): the state file's start.
+                item["uptime_s"] = round(max(0.0, time.time() - info["started"]), 1)
         else:
             item["problem"] = "no daemon state (started by another user, or the daemon died)"
         out.append(item)
@@ -86,9 +90,16 @@ def format_status(items: list[dict[str, Any]]) -> str:
 
 def format_failed(f: dict[str, Any]) -> str:
     """One staged file that could not be committed: key, where its bytes are, how often it
-    failed and why; a failure that retrying will not cure is marked so (it is retried anyway)."""
+    failed and why; a failure that retrying will not cure is marked so (retried quietly), a
+    final one says when it is tried again (at the next start, or never)."""
     attempts = f.get("attempts", 1)
-    kind = "permanent: will not pass by retrying, fix it and it is committed" if f.get("permanent") else "retrying"
+    if f.get("final"):
+        retry = f.get("retry", "never")
+        kind = "final: no retry can change it; " + ("never tried again" if retry == "never" else f"tried again {retry}")
+    elif f.get("permanent"):
+        kind = "permanent: will not pass by retrying, fix it and it is committed"
+    else:
+        kind = "retrying"
     error = f"; last error: {f['error']}" if f.get("error") else ""
     return (f"    failed {f['key']} ({kind}; {attempts} attempt{'s' * (attempts != 1)}{error}); "
             f"bytes kept in {f['staged']}")

@@ -43,7 +43,16 @@ class PartSession(Protocol):
 
     def complete(self, parts: int, total: int) -> ObjectVersion | None: ...
 
-    def abort(self) -> None: ...
+    def abort(self) -> bool | None: ...  # True: the store dropped it (or never had it)
+
+    # Optional: ``record``, a JSON-able dict naming the upload on the store (S3: bucket, key
+    # and upload id) for ``Remote.abort_upload``: journaled while the upload is open, so the
+    # next daemon aborts what a killed one left (an S3 multipart upload is billed until then).
+
+
+# Told when a session that has a ``record`` opens (True) and when it is over (False: completed,
+# or aborted by the store's answer); the staged file journals the records in between.
+SessionNote = Callable[[dict, bool], None]
 
 
 Runner = Callable[[str, Callable[..., Any]], Any]  # (kind, fn) -> fn() with retries and counting
@@ -61,9 +70,10 @@ class PartStream:
     """
 
     def __init__(self, fd: int, open_session: Callable[[], PartSession], part_size: int,
-                 pool: cf.Executor, max_in_flight: int = 4) -> None:
+                 pool: cf.Executor, max_in_flight: int = 4, on_session: SessionNote | None = None) -> None:
         self.fd = fd
         self._open_session = open_session
+        self.on_session = on_session  # may be set after construction (the staged file's journal)
         self.part_size = part_size
         self.pool = pool
         self.max_in_flight = max(1, max_in_flight)
@@ -157,10 +167,37 @@ class PartStream:
             self.dirty.update(range(length // self.part_size, self.next_part))
         self.seq_end = min(self.seq_end, length) if length < self.seq_end else length
 
+    def open(self) -> PartSession:
+        """Open the session; one with a ``record`` is told to ``on_session`` before any part
+        leaves (a note that fails aborts it: an upload nobody could find again is not begun)."""
+        session = self._open_session()
+        record = getattr(session, "record", None)
+        if record is not None and self.on_session is not None:
+            try:
+                self.on_session(record, True)
+            except BaseException:
+                session.abort()
+                raise
+        self.session = session
+        return session
+
+    def _over(self, session: PartSession) -> None:
+        record = getattr(session, "record", None)
+        if record is not None and self.on_session is not None:
+            try:
+                self.on_session(record, False)
+            except Exception as exc:  # noqa: BLE001 - an upload left in the journal is aborted again: harmless
+                log.debug("could not note the end of an upload: %s", exc)
+
+    def _abort(self, session: PartSession) -> None:
+        """Abort ``session`` (on a pool thread); its record goes once the store dropped it."""
+        if session.abort() is True:
+            self._over(session)
+
     def _dispatch(self, index: int) -> bool:
         try:
             if self.session is None:
-                self.session = self._open_session()
+                self.open()
             self._wait_for_slot()
         except Exception as exc:  # noqa: BLE001 - the commit will upload the whole file
             self._give_up(f"could not start the upload ({exc})")
@@ -197,7 +234,7 @@ class PartStream:
         self._drain()
         if self.session is not None:
             session, self.session = self.session, None
-            self.pool.submit(session.abort)
+            self.pool.submit(self._abort, session)
 
     def _drain(self) -> list[BaseException]:
         errors = []
@@ -224,7 +261,7 @@ class PartStream:
         if errors or total == 0:
             self.broken = True
             self.session = None
-            self.pool.submit(session.abort)
+            self.pool.submit(self._abort, session)
             if errors:
                 raise errors[0]
             return False, None
@@ -244,10 +281,11 @@ class PartStream:
         except BaseException:
             self.broken = True
             self.session = None
-            self.pool.submit(session.abort)
+            self.pool.submit(self._abort, session)
             raise
         self.broken = True  # done: a later commit of this file starts afresh
         self.session = None
+        self._over(session)
         return True, version
 
     def _send_parallel(self, indexes: list[int], total: int) -> None:
@@ -263,13 +301,13 @@ class PartStream:
 
 
 def upload_file(path: str, open_session: Callable[[], PartSession], part_size: int,
-                pool: cf.Executor, max_in_flight: int) -> ObjectVersion | None:
+                pool: cf.Executor, max_in_flight: int, on_session: SessionNote | None = None) -> ObjectVersion | None:
     """Upload a whole local file through a part session (parts in parallel where allowed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         total = os.fstat(fd).st_size
-        stream = PartStream(fd, open_session, part_size, pool, max_in_flight)
-        stream.session = open_session()
+        stream = PartStream(fd, open_session, part_size, pool, max_in_flight, on_session)
+        stream.open()
         return stream.finish(total)[1]
     finally:
         os.close(fd)

@@ -225,6 +225,9 @@ class FaultyFS:
 
 S3_503 = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
           b"<Message>Please reduce your request rate.</Message><RequestId>injected</RequestId></Error>")
+S3_403 = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+          b"<Message>Access Denied</Message><RequestId>injected</RequestId></Error>")
+ANSWERS = {503: (b"Slow Down", S3_503), 403: (b"Forbidden", S3_403)}
 
 
 class HttpRequest:
@@ -250,7 +253,7 @@ class HttpFaultProxy:
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``target`` (one request per connection).
 
     - ``fail_fraction``: that fraction of requests (seeded) matching ``fail_match`` is answered
-      ``503 SlowDown`` without reaching the server.
+      ``503 SlowDown`` (``fail_status`` 403: ``AccessDenied``) without reaching the server.
     - ``stop_when``: a one-shot trigger; the first matching request makes the server "stop":
       with ``stop_at="request"`` the request is dropped unanswered (the connection is reset, as
       when a server dies during an upload); with ``"response"`` the server's response is cut
@@ -265,6 +268,7 @@ class HttpFaultProxy:
         self.target = (target_host, target_port)
         self.fail_fraction = 0.0
         self.fail_match = lambda req: True
+        self.fail_status = 503
         self.stop_when = None  # Callable[[HttpRequest], bool] | None
         self.stop_at = "response"
         self.cut_after = 1024
@@ -359,10 +363,12 @@ class HttpFaultProxy:
                     self.stop_when = None
                 failing = not stopping and self.fail_match(req) and self._rng.random() < self.fail_fraction
             if failing:
-                self._record(req, "503")
-                body = b"" if req.method == "HEAD" else S3_503
-                client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(S3_503) + body)
+                status = self.fail_status
+                reason, answer = ANSWERS[status]
+                self._record(req, str(status))
+                body = b"" if req.method == "HEAD" else answer
+                client.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: application/xml\r\n"
+                               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (status, reason, len(answer)) + body)
                 return
             if stopping and self.stop_at == "request":
                 self._record(req, "server stopped (request dropped)")

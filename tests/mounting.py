@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -61,6 +63,65 @@ def force_unmount(mnt: Path) -> None:
             if not os.path.ismount(mnt):
                 return
             time.sleep(0.05)
+
+
+def _mountinfo_path(field: str) -> str:
+    """A path as /proc/self/mountinfo spells it: space, tab, newline and backslash in octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def fuse_connections(mnt: Path) -> list[int]:
+    """The FUSE connection numbers (the device's minor) of the mounts at ``mnt``, read from
+    /proc/self/mountinfo: never a stat of ``mnt``, which may hang on a wedged daemon."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[sep + 1].startswith("fuse") and _mountinfo_path(fields[4]) == str(mnt):
+                found.append(int(fields[2].split(":")[1]))
+    return found
+
+
+def abort_fuse(mnt: Path) -> bool:
+    """Free every process waiting on the FUSE mounts at ``mnt`` (state D, beyond SIGKILL) by
+    writing 1 to their connections' ``abort`` file: every pending and later request fails with
+    ENOTCONN, so the daemon, its callers and ``fusermount3 -u`` return. The control filesystem
+    (fusectl) is mounted in a directory of our own for that, and unmounted after."""
+    conns = fuse_connections(mnt)
+    if not conns:
+        return False
+    ctl = Path(tempfile.mkdtemp(prefix="fusectl-"))
+    try:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(ctl)], check=True, capture_output=True,
+                       timeout=30)
+        try:
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    (ctl / str(conn) / "abort").write_text("1")
+        finally:
+            subprocess.run(["umount", str(ctl)], capture_output=True, timeout=30)
+    finally:
+        with contextlib.suppress(OSError):
+            ctl.rmdir()
+    return True
+
+
+@contextlib.contextmanager
+def freed_if_wedged(mnt: Path, after: float = 30.0) -> Iterator[None]:
+    """For tests of mounts that may deadlock (a mount serving itself): after ``after`` seconds,
+    or at the end if a mount is still at ``mnt``, its FUSE connection is aborted and the mount
+    detached, so a wedged daemon never hangs the test run. Paths are not stat-ed here."""
+    timer = threading.Timer(after, abort_fuse, (mnt,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if fuse_connections(mnt):
+            abort_fuse(mnt)
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, timeout=60)
 
 
 def _running(pid: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 import unicodedata
 import uuid
 from pathlib import Path
@@ -26,6 +27,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
     ["--chunk-size", "1K"], ["--chunk-size", "2G"], ["--chunk-size", "lots"], ["--cache-size", "-5"],
     ["--cache-min-free", "1Q"], ["--retries", "0"], ["--retries", "many"], ["--metrics-port", "70000"],
     ["--metrics-port", "-1"], ["--uid", "-1"], ["--gid", "x"], ["--file-mode", "10000"],
+    ["--uid", "99999999999"], ["--gid", "4294967295"], ["--file-mode", "07777"], ["--file-mode", "04755"],
+    ["--metrics-addr", "999.1.1.1"], ["--metrics-addr", "not an address"],
     ["--dir-mode", "rwx"], ["--log-level", "loud"], ["--prefetch-workers", "0"], ["--read-ahead-kb", "-1"],
     ["--metadata-ttl", "nan"], ["--negative-ttl", "-0.1"], ["--list-ttl", "nan"],
     ["--connect-timeout", "nan"], ["--read-timeout", "-1"], ["--mount-timeout", "nan"],
@@ -46,6 +49,44 @@ def test_bad_mount_flags_are_one_line_and_exit_2(flags: list[str], tmp_path: Pat
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("marinfs: error: ") and "Traceback" not in err
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--metrics-addr", "999.1.1.1"], "--metrics-addr"), (["--uid", "99999999999"], "--uid"),
+    (["--file-mode", "07777"], "--file-mode"),
+])
+def test_a_flag_out_of_range_is_named_in_its_one_line(flags: list[str], named: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: these were accepted (an owner no uid_t holds, setuid on every file), or the
+    address failed later without naming the flag."""
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "mnt").mkdir()
+    code = cli.main(["mount", str(tmp_path / "remote"), str(tmp_path / "mnt"), "--cache-dir",
+                     str(tmp_path / "cache"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"marinfs: error: {named}: ") and flags[1] in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.mount
+def test_metrics_that_cannot_be_served_fail_the_mount_naming_the_flag(tmp_path: Path) -> None:
+    """An address this machine does not have (TEST-NET-1): one line naming the flags, exit 2,
+    nothing mounted and no daemon state left behind."""
+    (tmp_path / "remote").mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        result = subprocess.run([*MARINFS, "mount", str(tmp_path / "remote"), str(mnt), "--cache-dir",
+                                 str(tmp_path / "cache"), "--metrics-addr", "192.0.2.1", "--metrics-port", "9"],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        force_unmount(mnt)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("marinfs: error: --metrics-addr 192.0.2.1 --metrics-port 9: "), lines[0]
+    from marinfs.daemon import state_file
+    assert not state_file(str(mnt)).exists()
+    assert not os.path.ismount(mnt)
 
 
 @pytest.mark.parametrize("args", [
@@ -141,16 +182,24 @@ def test_a_name_that_is_not_utf8(mounted: Mounted) -> None:
     are UTF-8, so there such a name is EILSEQ (not EIO with a traceback), and nothing is sent."""
     bad = os.fsencode(str(mounted.mnt)) + b"/latin1-caf\xe9"
     if mounted.url.startswith(("s3://", "gs://")):
-        for op in (os.stat, lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644), os.mkdir):
-            fd = None
-            try:
-                with pytest.raises(OSError) as info:
-                    fd = op(bad)
-            finally:
-                if isinstance(fd, int):
-                    os.close(fd)  # (never leave a descriptor open on a mount)
-            assert info.value.errno == errno.EILSEQ
-        assert os.listdir(mounted.mnt) == []
+        os.mkdir(mounted.mnt / "new")  # made here: its (empty) listing is known, nothing asks the store
+        (mounted.mnt / "src").write_bytes(b"s")
+        in_new = os.fsencode(str(mounted.mnt)) + b"/new/latin1-caf\xe9"
+        for path in (bad, in_new):  # refused at create in both (issue 37: accepted in "new", then
+            for op in (os.stat, lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644), os.mkdir,  # retried forever)
+                       lambda p: os.rename(mounted.mnt / "src", p)):
+                fd = None
+                try:
+                    with pytest.raises(OSError) as info:
+                        fd = op(path)
+                finally:
+                    if isinstance(fd, int):
+                        os.close(fd)  # (never leave a descriptor open on a mount)
+                assert info.value.errno in ((errno.EILSEQ, errno.ENOENT) if op is os.stat else (errno.EILSEQ,)), op
+        assert sorted(os.listdir(mounted.mnt)) == ["new", "src"] and os.listdir(mounted.mnt / "new") == []
+        assert not list((mounted.cache_dir / "staging").glob("*.journal.json"))  # nothing staged to fail later
+        os.rmdir(mounted.mnt / "new")
+        os.unlink(mounted.mnt / "src")
     else:
         with open(bad, "wb") as f:
             f.write(b"bytes")
@@ -160,6 +209,76 @@ def test_a_name_that_is_not_utf8(mounted: Mounted) -> None:
         os.unlink(bad)
     (mounted.mnt / "fine").write_text("ok")
     assert os.listdir(mounted.mnt) == ["fine"]
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_an_object_key_over_the_stores_limit_is_enametoolong_at_once(backend: str, request: pytest.FixtureRequest,
+                                                                      tmp_path: Path) -> None:
+    """S3 and GCS keep keys of at most 1024 bytes (the prefix included), however short each name.
+    A longer one is ENAMETOOLONG at create, mkdir, rename and stat, with no request: SeaweedFS's
+    "Your key is too long" was retried as transient, then EIO (and a file's bytes were
+    accepted, then failed at every commit)."""
+    from conftest import mount_backend
+
+    with mount_backend(request, backend, tmp_path) as m:
+        room = 1024 - len(m.root.partition("/")[2].encode()) - 1  # bytes left for the key under the prefix
+        deep = m.mnt
+        while room > 200:  # directories of up to 250 bytes, until 100 to 200 bytes are left
+            step = min(250, room - 100)
+            deep /= "d" * step
+            room -= step + 1
+            os.mkdir(deep)
+        fits, over = deep / ("f" * room), deep / ("f" * (room + 1))  # exactly 1024 bytes of key, and 1025
+        fits.write_bytes(b"fits")
+        assert m.remote_bytes(str(fits.relative_to(m.mnt))) == b"fits"
+        (m.mnt / "short").write_bytes(b"s")
+        started = time.monotonic()
+        with pytest.raises(OSError) as info:
+            os.stat(over)
+        assert info.value.errno in (errno.ENOENT, errno.ENAMETOOLONG)  # (known absent from a listing: ENOENT)
+        for op in (lambda p: os.open(p, os.O_WRONLY | os.O_CREAT, 0o644), os.mkdir,
+                   lambda p: os.rename(m.mnt / "short", p), lambda p: os.symlink("short", p)):
+            fd = None
+            try:
+                with pytest.raises(OSError) as info:
+                    fd = op(over)
+            finally:
+                if isinstance(fd, int):
+                    os.close(fd)
+            assert info.value.errno == errno.ENAMETOOLONG, op
+        assert time.monotonic() - started < 2  # no retries
+        assert sorted(os.listdir(deep)) == [fits.name] and (m.mnt / "short").read_bytes() == b"s"
+        assert not list((m.cache_dir / "staging").glob("*.journal.json"))  # nothing staged to fail later
+
+
+def test_a_key_the_store_calls_too_long_is_final_never_retried() -> None:
+    """s3fs turns S3's KeyTooLongError (HTTP 400) into ENAMETOOLONG with botocore's ClientError
+    as its cause, whose class name is also aiohttp's transient one: it was retried, then EIO."""
+    import botocore.exceptions
+
+    from marinfs.config import RemoteSettings
+    from marinfs.remote import Remote
+    from marinfs.remote.base import is_final, is_transient
+
+    def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+        return botocore.exceptions.ClientError({"Error": {"Code": code, "Message": code},
+                                                "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    too_long = OSError(errno.ENAMETOOLONG, "Your key is too long.")
+    too_long.__cause__ = client_error("KeyTooLongError", 400)
+    assert is_final(too_long) and not is_transient(too_long)
+    assert is_final(client_error("AccessDenied", 403)) and not is_transient(client_error("AccessDenied", 403))
+    assert is_transient(client_error("SlowDown", 503)) and not is_final(client_error("SlowDown", 503))
+    calls = []
+
+    def put() -> None:
+        calls.append(1)
+        raise too_long
+
+    remote = Remote(f"memory://final-{uuid.uuid4().hex[:8]}", settings=RemoteSettings(attempts=4, backoff_base=0))
+    with pytest.raises(OSError) as info:
+        remote._call("put", put)
+    assert info.value.errno == errno.ENAMETOOLONG and len(calls) == 1
 
 
 @pytest.mark.mount

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from mounting import MARINFS, force_unmount, subprocess_mount
+from mounting import MARINFS, daemon_pid, force_unmount, freed_if_wedged, fuse_connections, subprocess_mount
 
 
 def marinfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -82,6 +86,76 @@ def test_already_mounted(tmp_path: Path, remote_dir: Path) -> None:
         result = marinfs("mount", str(remote_dir), str(mnt), "--cache-dir", str(tmp_path / "c2"))
         assert_one_line_error(result, "already a mount point")
         assert (mnt / "a.txt").read_text() == "a"  # the first mount is untouched
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("layout", ["itself", "through a symlink", "remote inside the mountpoint",
+                                    "mountpoint inside the remote"])
+def test_a_local_remote_overlapping_its_mountpoint_is_refused_with_one_line(tmp_path: Path, layout: str) -> None:
+    """Issue 37: such a mount serves itself; the first `ls` hung in state D, unkillable, and
+    `umount` said busy. Refused before anything is mounted (the guard frees the old daemon)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    mnt, remote = d, d
+    if layout == "through a symlink":
+        remote = tmp_path / "link"
+        remote.symlink_to(d)
+    elif layout == "remote inside the mountpoint":
+        remote = d / "sub"
+        remote.mkdir()
+    elif layout == "mountpoint inside the remote":
+        mnt = d / "mnt"
+        mnt.mkdir()
+    with freed_if_wedged(mnt, after=20):
+        pid = None
+        try:
+            result = marinfs("mount", str(remote), str(mnt), "--cache-dir", str(tmp_path / "cache"))
+            if fuse_connections(mnt):  # mounted after all (before the fix): what a user met
+                pid = daemon_pid(mnt)
+                done = threading.Event()
+
+                def ls() -> None:
+                    with contextlib.suppress(OSError):  # ENOTCONN once the guard aborted it
+                        os.listdir(mnt)
+                        done.set()
+
+                threading.Thread(target=ls, daemon=True).start()
+                assert done.wait(10), f"mounted {layout}, and the first ls hangs"
+        finally:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert_one_line_error(result, str(mnt), "own mount")
+    assert result.returncode == 2
+    assert not fuse_connections(mnt)
+
+
+@pytest.mark.mount
+def test_a_non_empty_mountpoint_is_refused_unless_allowed(tmp_path: Path, remote_dir: Path) -> None:
+    """Issue 37: a mount over files hid them without a word. Refused as rclone refuses it;
+    --allow-non-empty mounts over them, says so in the log, and they are back after."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "mine.txt").write_text("mine")
+    result = marinfs("mount", str(remote_dir), str(mnt), "--cache-dir", str(tmp_path / "cache"))
+    force_unmount(mnt)
+    assert_one_line_error(result, str(mnt), "not empty", "mine.txt", "--allow-non-empty")
+    assert result.returncode == 2
+    log = tmp_path / "daemon.log"
+    with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache", "--allow-non-empty", "--log-file", str(log)):
+        assert os.listdir(mnt) == ["a.txt"]
+    assert "mountpoint " + str(mnt) + " is not empty (1 entry, such as 'mine.txt'): hidden while mounted" in log.read_text()
+    assert (mnt / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.mount
+def test_status_right_after_a_mount_shows_its_uptime(tmp_path: Path, remote_dir: Path) -> None:
+    """Issue 37: `up ? s` until the daemon first published its figures (2 s later)."""
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(remote_dir), mnt, tmp_path / "cache"):
+        out = marinfs("status", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"daemon PID \d+, up \d+(\.\d+)? s", out.stdout), out.stdout
 
 
 def test_umount_of_a_plain_directory(tmp_path: Path) -> None:

@@ -73,6 +73,16 @@ class Store:
     def put(self, rel: str, data: bytes) -> None:
         self.client.pipe_file(f"{self.root}/{rel}", data)
 
+    def incomplete_uploads(self) -> list[str]:
+        """Keys of the S3 multipart uploads under our prefix that were neither completed nor
+        aborted (billed on real S3 until someone aborts them). GCS's resumable sessions expire
+        by themselves and cannot be listed: none."""
+        if self.backend != "s3":
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        out = self.client.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+        return [u["Key"] for u in out.get("Uploads", [])]
+
 
 @pytest.fixture
 @tiers.needs("mount")
@@ -91,7 +101,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     host, port = server.rsplit("/", 1)[1].split(":")
     with HttpFaultProxy(host, int(port), seed=17) as proxy:
         var = "AWS_ENDPOINT_URL" if backend == "s3" else "STORAGE_EMULATOR_HOST"
-        yield Store(backend, url, {**env, var: proxy.endpoint}, client, root, proxy)
+        store = Store(backend, url, {**env, var: proxy.endpoint}, client, root, proxy)
+        yield store
+    # Whatever the cell did (issue 37): no incomplete multipart upload of ours is left, billed.
+    assert store.incomplete_uploads() == []
 
 
 def cells(*backends: str) -> pytest.MarkDecorator:
@@ -240,6 +253,9 @@ def test_server_killed_mid_multipart_upload_of_64_mib_then_back(store: Store, tm
         s.proxy.restart()
         assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
         wait_for(lambda: not journals(cache), within=5)
+        # No upload of ours is left: the one the server died in is aborted then or, if it could
+        # not be, by the retry pass before it uploads again (its journal names it).
+        wait_for(lambda: s.incomplete_uploads() == [], within=5)
 
 
 @cells("s3", "gcs")
@@ -300,10 +316,58 @@ def test_daemon_sigkilled_mid_upload_then_restarted_commits_everything(store: St
         sigkill(pid, mnt)
     assert s.proxy.counts["server stopped (request dropped)"] == 1
     assert len(journals(cache)) == 1 and s.cat("weights.bin") is None
+    if s.backend == "s3":  # the killed daemon's multipart upload, its journal names it
+        assert len(s.incomplete_uploads()) == 1
+        assert len(json.loads(journals(cache)[0].read_text()).get("uploads", {})) == 1
     started = time.monotonic()
     with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
         assert wait_committed(s, "weights.bin", data, within=COMMIT_BOUND + 10) < COMMIT_BOUND + 10
         assert time.monotonic() - started < COMMIT_BOUND + 20, time.monotonic() - started
+    assert not journals(cache)
+    assert s.incomplete_uploads() == []  # issue 37: the new daemon aborted it (it was left, billed)
+
+
+@cells("s3")
+def test_a_commit_refused_for_good_is_kept_reported_once_never_retried_in_a_loop(store: Store,
+                                                                                 tmp_path: Path) -> None:
+    """Issue 37: a commit that no retry can change was retried every interval and after every
+    remount, and `marinfs umount` exited 0 in silence. Access denied (every PUT of the key
+    answered 403 AccessDenied): close() is EACCES; one ERROR line; no request more while
+    mounted; `status` marks it final; `umount` fails with one line naming it; the next daemon
+    tries it once (the credentials may have been fixed), and commits it once they are."""
+    s, mnt, cache, log = store, tmp_path / "mnt", tmp_path / "cache", tmp_path / "daemon.log"
+    assert s.proxy is not None
+    s.proxy.fail_match = lambda req: "denied.bin" in req.target and req.method in ("PUT", "POST")
+    s.proxy.fail_status, s.proxy.fail_fraction = 403, 1.0
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, "--log-file", str(log), env=s.env):
+        fd = write_file(mnt / "denied.bin", b"refused bytes")
+        code, waited = close_errno(fd)
+        assert code == errno.EACCES and waited < CALL_BOUND, (code, waited)
+        refused = s.proxy.counts["403"]
+        time.sleep(3 * INTERVAL + 2.5)  # three retry passes would have run
+        assert s.proxy.counts["403"] == refused, s.proxy.requests[-5:]
+        (failed,) = failed_uploads(mnt, s.env)
+        assert failed["key"] == "denied.bin" and failed["final"] and failed["retry"] == "at the next start"
+        (mnt / "fine.txt").write_bytes(b"fine")  # the rest of the mount works
+        result = subprocess.run([*MARINFS, "umount", str(mnt)], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, **s.env})
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert "unmounted" in lines[0] and "denied.bin (retried at the next start" in lines[0], lines[0]
+        assert str(cache / "staging") in lines[0] and not os.path.ismount(mnt)
+    assert s.cat("fine.txt") == b"fine" and s.cat("denied.bin") is None
+    reported = [line for line in log.read_text().splitlines() if "no retry can change this" in line]
+    assert len(reported) == 1 and "denied.bin" in reported[0], reported
+    refused = s.proxy.counts["403"]
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):  # still refused: tried once, at start
+        time.sleep(2 * INTERVAL + 2.5)
+        tried = s.proxy.counts["403"] - refused
+        assert 1 <= tried <= 3, s.proxy.requests[-5:]  # one commit (the direct PUT re-signed once, then s3fs's)
+        assert [f["key"] for f in failed_uploads(mnt, s.env)] == ["denied.bin"]
+    assert s.proxy.counts["403"] - refused == tried
+    s.proxy.fail_fraction = 0.0  # the credentials fixed
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        wait_committed(s, "denied.bin", b"refused bytes", within=COMMIT_BOUND)
     assert not journals(cache)
 
 

@@ -149,6 +149,122 @@ def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Pat
         assert (remote_dir / "small.txt").read_text() == "fits"
 
 
+def test_a_journal_that_meets_a_full_staging_disk_leaves_no_file(tiny_tmpfs: Path, tmp_path: Path) -> None:
+    """Issue 37: a new file's journal written on a full disk left a 0-byte
+    ``staged-*.journal.json.tmp`` (and its empty staging file) behind for good."""
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    mnt = tmp_path / "mnt"
+    with subprocess_mount(str(remote_dir), mnt, tiny_tmpfs, "--cache-size", "0"):
+        fd = os.open(mnt / "fills.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as info:
+                for _ in range(64):
+                    os.write(fd, b"x" * (64 << 10))  # until the 1 MiB staging disk is full
+            assert info.value.errno == errno.ENOSPC
+            with pytest.raises(OSError) as info:
+                os.close(os.open(mnt / "second.txt", os.O_WRONLY | os.O_CREAT, 0o644))  # its journal finds no room
+            assert info.value.errno == errno.ENOSPC
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # (the failed write's error again)
+        time.sleep(0.3)
+        assert not list(tiny_tmpfs.glob("staging/*"))  # no journal, no temporary, no empty staging file
+        assert sorted(os.listdir(mnt)) == [] and sorted(os.listdir(remote_dir)) == []
+        (mnt / "small.txt").write_text("fits")  # there is room again
+        assert (remote_dir / "small.txt").read_text() == "fits"
+
+
+def test_a_journal_write_that_fails_removes_its_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import marinfs.staging as staging
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "write", full)
+    with pytest.raises(OSError):
+        staging.write_journal(str(tmp_path / "staged-x.journal.json"), {"key": "k"})
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError):  # a new file whose journal cannot be written: nothing of it stays
+        monkeypatch.setattr(staging.os, "write", full)
+        StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "staging") == []
+
+
+class RecordedSession:
+    """A part session the store keeps apart (an S3 multipart upload, as far as journals see)."""
+
+    part_size, ordered = 4, False
+    record = {"store": "fake", "bucket": "b", "key": "k", "id": "u-1"}
+
+    def send(self, index: int, data: bytes, total: int | None = None) -> None:
+        pass
+
+    def complete(self, parts: int, total: int) -> None:
+        return None
+
+    def abort(self) -> bool:
+        return True
+
+
+def test_the_journal_names_an_open_multipart_upload_and_recovery_aborts_it(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a killed daemon's incomplete multipart upload stayed in the bucket (billed on
+    S3). Its id is journaled before the first part leaves; the next daemon aborts it, then
+    replays; an abort that cannot be sent yet (the store down) keeps both for the next pass."""
+    import concurrent.futures as cf
+
+    from marinfs.uploads import PartStream
+
+    pool = cf.ThreadPoolExecutor(2)
+    staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url=remote.url,
+                        stream=lambda fd, key, expect: PartStream(fd, RecordedSession, 4, pool))
+    staged.write(b"0123456789", 0)  # two parts leave: the upload is open
+    assert json.loads(Path(staged.journal_path).read_text())["uploads"] == {"u-1": RecordedSession.record}
+    # The daemon is killed here. The next one:
+    down, aborted = [ConnectionResetError(errno.ECONNRESET, "injected: down")], []
+
+    def abort_upload(record: dict) -> None:
+        if down:
+            raise down[0]
+        aborted.append(record["id"])
+
+    monkeypatch.setattr(remote, "abort_upload", abort_upload)
+    (result,) = recover(tmp_path / "staging", remote)
+    assert result.committed_as is None and "down" in (result.error or "") and not remote.fs.exists(remote.full("k"))
+    assert json.loads(Path(staged.journal_path).read_text())["uploads"] == {"u-1": RecordedSession.record}
+    down.clear()
+    (result,) = recover(tmp_path / "staging", remote)
+    assert aborted == ["u-1"] and result.committed_as == "k"
+    assert remote.fs.cat_file(remote.full("k")) == b"0123456789" and not Path(staged.journal_path).exists()
+    pool.shutdown()
+
+
+def test_a_completed_upload_leaves_the_journal_and_a_commit_aborts_what_is_left(tmp_path: Path) -> None:
+    """A session completed goes from the journal; one still open when a commit succeeds (its
+    own abort failed) is handed to the caller to abort."""
+    import concurrent.futures as cf
+
+    from marinfs.uploads import PartStream
+
+    pool = cf.ThreadPoolExecutor(2)
+    staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x",
+                        stream=lambda fd, key, expect: PartStream(fd, RecordedSession, 4, pool))
+    staged.write(b"0123456789", 0)
+    staged.commit(lambda *a, **k: None)  # the stream completes the upload
+    assert not Path(staged.journal_path).exists() and staged.take_leftover_uploads() == []
+    staged.write(b"more", 10)
+    staged.note_upload({"store": "fake", "key": "k", "id": "u-2"}, True)  # an upload whose abort failed
+    assert "u-2" in json.loads(Path(staged.journal_path).read_text())["uploads"]
+    staged.commit(lambda *a, **k: None)
+    assert [r["id"] for r in staged.take_leftover_uploads()] == ["u-2"]
+    pool.shutdown()
+
+
 def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: Path, remote: Remote,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The retry pass uploads without the filesystem lock, so a close may fail meanwhile and
@@ -195,13 +311,13 @@ def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: 
     assert fs.upload_status()["failed"] == [] and not list((tmp_path / "staging").iterdir())
 
 
-@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Access Denied"),
-                                   FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
+@pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
 def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
         tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         error: OSError) -> None:
-    """Denied, or the bucket gone: retrying will not cure it, so it is one ERROR line, not one per
-    retry; the bytes stay and are still retried (the credentials may be fixed)."""
+    """The bucket gone: retrying will not cure it, so it is one ERROR line, not one per retry;
+    the bytes stay and are still retried (the bucket may be made again). Access denied is
+    final instead (test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loop)."""
     fs = Filesystem(remote, staging_dir=tmp_path / "staging")
     real_upload = remote.upload
     broken = [error]
@@ -224,6 +340,59 @@ def test_a_permanent_commit_failure_is_logged_once_shown_and_retried(
     broken.clear()  # fixed: the next pass commits
     fs.retry_failed_commits()
     assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes" and fs.upload_status()["failed"] == []
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not"),
+                                   OSError(errno.ENAMETOOLONG, "Your key is too long."),
+                                   PermissionError(errno.EACCES, "Access Denied")])
+def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loop(
+        tmp_path: Path, remote: Remote, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: OSError) -> None:
+    """Issue 37: a name the store can never hold was retried every interval and after every
+    remount. Final now: one ERROR line, the bytes kept, no retry by this daemon, its journal
+    marked so; the next daemon leaves it alone, but tries an access refusal once (the
+    credentials may have been fixed meanwhile)."""
+    real_upload = remote.upload
+    broken, calls = [error], []
+
+    def upload(local_path: str, key: str, expect: str | None = None) -> str | None:
+        calls.append(key)
+        if broken:
+            raise broken[0]
+        return real_upload(local_path, key, expect)
+
+    monkeypatch.setattr(remote, "upload", upload)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    close_failing(fs, "/ckpt", b"kept bytes", type(error))
+    for _ in range(3):
+        assert fs.retry_failed_commits() == []
+    assert calls == ["ckpt"]  # the close's, no more
+    (failed,) = fs.upload_status()["failed"]
+    curable = error.errno == errno.EACCES
+    assert failed["final"] and failed["retry"] == ("at the next start" if curable else "never")
+    assert failed["attempts"] == 1 and Path(failed["staged"]).read_bytes() == b"kept bytes"
+    (journal,) = (tmp_path / "staging").glob("*" + JOURNAL_SUFFIX)
+    assert json.loads(journal.read_text())["final"]["errno"] == error.errno
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "no retry can change this" in loud[0] and failed["staged"] in loud[0], loud
+    assert "final" in format_failed(failed) and failed["staged"] in format_failed(failed)
+
+    calls.clear()
+    again = Filesystem(remote, staging_dir=tmp_path / "staging")  # a new daemon on the same cache
+    again.recover_staged(at_start=True)
+    assert calls == (["ckpt"] if curable else [])  # a bad name is never sent again
+    (failed,) = again.upload_status()["failed"]
+    assert failed["final"] and Path(failed["staged"]).read_bytes() == b"kept bytes"
+    again.retry_failed_commits()
+    assert calls == (["ckpt"] if curable else [])
+    broken.clear()  # the credentials fixed (a name stays what it is)
+    calls.clear()
+    Filesystem(remote, staging_dir=tmp_path / "staging").recover_staged(at_start=True)
+    if curable:
+        assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes"
+        assert not list((tmp_path / "staging").iterdir())
+    else:
+        assert calls == [] and len(list((tmp_path / "staging").iterdir())) == 2  # the bytes and their journal
 
 
 def test_a_transient_commit_failure_is_retried_and_reported_each_time(

@@ -41,7 +41,7 @@ def samples(tmp: Path) -> dict[str, Any]:
     """A value for every setting that is not its default, as `status --json` shows it."""
     return {
         "remote": str(tmp / "remote"), "mountpoint": str(tmp / "mnt"), "foreground": True,
-        "read_only": True, "allow_other": True, "uid": 1234, "gid": 4321,
+        "read_only": True, "allow_other": True, "allow_non_empty": True, "uid": 1234, "gid": 4321,
         "file_mode": 0o600, "dir_mode": 0o700, "log_level": "debug", "log_file": str(tmp / "daemon.log"),
         "cache_dir": str(tmp / "cache"), "metadata_ttl": 7.5, "negative_ttl": 2.5, "list_ttl": 3.5,
         "inode_ttl": 60.0,

@@ -31,6 +31,7 @@ import fsspec.config
 
 from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
+from marinfs.errors import is_final as errors_is_final
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.threadnames import name_current
 
@@ -191,6 +192,10 @@ class Remote:
         # holds exactly version ``old`` of ``src`` as its version ``new`` (src, dst, old, new):
         # the filesystem moves open readers of that version there (set by fs.Filesystem).
         self.on_moved: Callable[[str, str, ObjectVersion, ObjectVersion], None] | None = None
+        # Told when an upload of a local file opens or ends a session the store keeps apart
+        # (an S3 multipart upload): (the local file, the session's record, opened?), so the
+        # file's journal names it and the next daemon can abort it (set by fs.Filesystem).
+        self.on_upload_session: Callable[[str, dict[str, Any], bool], None] | None = None
         try:
             protocol = protocol_of(url)
             self._prepare_environment()
@@ -320,6 +325,11 @@ class Remote:
         return is_transient(exc)
 
     # -- checks --------------------------------------------------------------------------------
+    def check_key(self, key: str) -> None:
+        """Raise the errno (EILSEQ, ENAMETOOLONG) if this store can never hold ``key``, before
+        anything is staged or sent: a create, mkdir, link or rename onto such a name fails at
+        once instead of at every commit. Local disks answer for themselves."""
+
     def check(self) -> None:
         """Fail fast, with the URL and the cause, if the prefix cannot be used at all."""
         try:
@@ -547,6 +557,11 @@ class Remote:
         """A multipart (S3) or resumable (GCS) upload of ``key``; only where ``streams``."""
         raise NotImplementedError(f"{self.protocol} uploads are not sent in parts")
 
+    def abort_upload(self, record: dict[str, Any]) -> None:
+        """Abort the upload a session's ``record`` names (journaled while it was open; the
+        daemon that opened it may have been killed). Records of other stores are dropped."""
+        log.debug("no upload of this kind to abort on %s: %s", self.url, record.get("store"))
+
     # -- persisted POSIX metadata --------------------------------------------------------------
     def _require_posix(self, attrs: PosixAttrs | None) -> None:
         if attrs is not None and not attrs.empty and not self.stores_posix:
@@ -636,6 +651,8 @@ class Remote:
         """Move directory ``src`` and everything under it to ``dst``. Not atomic here: every
         object is copied, then the originals are deleted (documented); local disks override."""
         files, dirs, explicit = self.walk(src)
+        for f in files:  # a name the store cannot hold fails the rename before anything moved
+            self.check_key(dst + f[len(src):])
         for d in sorted(explicit):  # implicit directories come along with their objects
             self.make_dir(dst + d[len(src):])
         for f in files:
@@ -712,11 +729,34 @@ def is_precondition_failure(exc: BaseException) -> bool:
     return False
 
 
+# S3 error codes that no retry changes, besides errors.FINAL_ERRNOS. Checked before the cause
+# chain, which may hold a botocore ClientError (whose class name is also aiohttp's transient one).
+FINAL_CODES = frozenset({"KeyTooLongError", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                         "AllAccessDisabled", "NoSuchBucket", "InvalidBucketName"})
+
+
+def is_final(exc: BaseException) -> bool:
+    """An answer that retrying can never change (a key too long or not UTF-8, access denied, the
+    bucket gone): errors.is_final, or an S3 error code saying so anywhere in its chain."""
+    if errors_is_final(exc):
+        return True
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 5:
+        response = getattr(current, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in FINAL_CODES:
+            return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass on retry; never for answers ('not found', 'denied')."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                         NotADirectoryError, UsageError, StaleVersionError)):
         return False  # (a StaleVersionError carries the store's 412 in its context: an answer)
+    if is_final(exc):
+        return False
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     for cls in type(exc).__mro__:

@@ -35,12 +35,28 @@ class ObjectStoreRemote(Remote, abc.ABC):
         options.setdefault("use_listings_cache", False)
         return options
 
+    # S3 and GCS keep keys of at most 1024 bytes of UTF-8 (SeaweedFS too: "KeyTooLongError").
+    max_key_bytes: ClassVar[int] = 1024
+
     def full(self, key: str) -> str:
+        """The store's path of ``key``; a key the store can never hold is refused here, before
+        any request, with its errno: a name that is not UTF-8 is EILSEQ (not an encoding error
+        deep in the client), a key over the store's limit ENAMETOOLONG (not a 400 retried)."""
         if key and not _utf8(key):
-            # A name that is not UTF-8 (surrogate-escaped bytes) cannot be a key: a clear errno
-            # instead of an encoding error deep in the client.
             raise OSError(errno.EILSEQ, "object store keys are UTF-8; this name is not", key)
-        return super().full(key)
+        full = super().full(key)
+        self._check_length(full)
+        return full
+
+    def _check_length(self, full: str) -> None:
+        """``full`` (``bucket/key``) as an object's name must fit the store's limit."""
+        size = len(full.encode("utf-8", "surrogateescape")) - len(full.split("/", 1)[0]) - 1
+        if size > self.max_key_bytes:
+            raise OSError(errno.ENAMETOOLONG, f"the object key would be {size} bytes; "
+                          f"{self.protocol}:// keeps at most {self.max_key_bytes}", full[-80:])
+
+    def check_key(self, key: str) -> None:
+        self.full(key)
 
     def _check(self) -> None:
         bucket = self.root.split("/", 1)[0]
@@ -126,8 +142,10 @@ class ObjectStoreRemote(Remote, abc.ABC):
             # S3 allows 10,000 parts: files past 160 GB get bigger parts, fewer at a time.
             part = max(self.settings.upload_part_size, -(-size // S3_MAX_PARTS // MiB) * MiB)
             in_flight = max(1, min(self.settings.upload_concurrency, (256 * MiB) // part))
+            hook = self.on_upload_session
+            note = (lambda record, opened: hook(local_path, record, opened)) if hook is not None else None
             return upload_file(local_path, lambda: self.part_session(key, expect, part, attrs),
-                               part, self.part_pool, in_flight)
+                               part, self.part_pool, in_flight, on_session=note)
         with open(local_path, "rb") as f:
             version = self._put_small(f.read(), key, expect, attrs)
         self.stats.add_bytes(bytes_out=size)
@@ -151,7 +169,9 @@ class ObjectStoreRemote(Remote, abc.ABC):
 
     # -- directories ---------------------------------------------------------------------------
     def make_dir(self, key: str) -> None:
-        self._call("put", self.fs.pipe_file, self.full(key) + "/", b"")  # the `dir/` marker object
+        marker = self.full(key) + "/"  # the `dir/` marker object
+        self._check_length(marker)
+        self._call("put", self.fs.pipe_file, marker, b"")
 
     def remove_dir(self, key: str) -> None:
         try:

@@ -502,6 +502,18 @@ class S3Remote(Recorded, ObjectStoreRemote):
             raise OSError(5, f"GET {full}: no ETag in the answer")
         return data, ObjectVersion.etag(etag)
 
+    def abort_upload(self, record: dict[str, Any]) -> None:
+        """Abort the multipart upload ``record`` names (a session's ``record``), retried like
+        every request; one already gone (completed, aborted, reaped) is no error."""
+        if record.get("store") != "s3":
+            return super().abort_upload(record)
+        bucket, key, upload_id = record["bucket"], record["key"], record["id"]
+        try:
+            self._call("part", lambda: _run(self.fs.loop, self.fs._call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)))
+        except FileNotFoundError:  # NoSuchUpload
+            pass
+
     def part_session(self, key: str, expect: ObjectVersion | None, part_size: int | None = None,
                      attrs: PosixAttrs | None = None) -> S3Session:
         """A multipart upload of ``key``: its parts over plain HTTP where the direct path is on,
@@ -587,6 +599,11 @@ class S3Session:
                                                             **extra)))
         self.upload_id = out["UploadId"]
 
+    @property
+    def record(self) -> dict[str, str]:
+        """What names this upload for ``S3Remote.abort_upload`` (journaled while it is open)."""
+        return {"store": "s3", "bucket": self.bucket, "key": self.key, "id": self.upload_id}
+
     def send(self, index: int, data: bytes, total: int | None = None) -> None:
         if self._put_part is not None:
             put = self._put_part
@@ -634,12 +651,19 @@ class S3Session:
         etag = out.get("ETag")
         return ObjectVersion.etag(etag) if etag else None
 
-    def abort(self) -> None:
+    def abort(self) -> bool:
+        """Drop the upload and its parts; True once the store has (or never had) it. A failure
+        is logged, not raised: the id stays in the staged file's journal and the next pass over
+        it (a retry, the next start) aborts it again."""
         try:
             _run(self.fs.loop, self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
                                                 UploadId=self.upload_id), timeout=60)
-        except Exception as exc:  # noqa: BLE001 - best effort: a lifecycle rule reaps the rest
-            log.warning("could not abort the multipart upload of %s: %s", self.key, exc)
+        except FileNotFoundError:  # NoSuchUpload: already gone
+            return True
+        except Exception as exc:  # noqa: BLE001 - best effort here; the journal keeps the id
+            log.warning("could not abort the multipart upload of %s: %s (it is tried again later)", self.key, exc)
+            return False
+        return True
 
 
 def _crc_param(data: bytes, checksum: str | None) -> dict[str, str]:

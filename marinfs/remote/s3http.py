@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import hashlib
 import http.client
 import logging
@@ -177,6 +178,8 @@ class S3Http:
                 # What arrived is not what was summed: damaged on the way, or a part whose bytes
                 # were rewritten while it was sent (that part is resent anyway). Send it again.
                 raise ConnectionError(f"{method} {what}: the server received other bytes than were summed (BadDigest)")
+            if status == 400 and b"<Code>KeyTooLongError</Code>" in resp.data:  # never passes by retrying
+                raise OSError(errno.ENAMETOOLONG, f"{method} {what}: the store says the key is too long")
             raise OSError(5, f"{method} {what}: HTTP {status}: {resp.data[:200]!r}")
         raise AssertionError("unreachable")
 
