@@ -1231,24 +1231,34 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
 
 
 def files_notes(ss: list[Sample]) -> list[str]:
-    """A small-files row's notes: seconds, requests per file as SeaweedFS counted them (a HEAD is a
-    GET there; "GET 404": names asked for that were not there), marinfs's own by kind."""
+    """A small-files row's notes: seconds, daemon CPU per file, requests per file and the counts by
+    kind (medians) as SeaweedFS counted them (it counts a HEAD as a GET; "404: N" of them asked for
+    names that were not there), then marinfs's own counts by kind."""
     n = ss[0].extra["files"]
     out = ["seconds " + "/".join(f"{s.seconds:.2f}" for s in ss)]
     cpu = [s.cpu["client"] / n * 1e3 for s in ss if "client" in s.cpu]
     if cpu:
         out.append(f"client CPU ms/file {fmt(med(cpu), 2)}")
 
-    def per_file(counts: list[dict[str, int]]) -> str:
-        kinds = sorted({k for c in counts for k in c}, key=lambda k: (-max(c.get(k, 0) for c in counts), k))
-        return ", ".join(f"{k} {med([c.get(k, 0) for c in counts]) / n:.2f}" for k in kinds)
+    def by_kind(counts: list[dict[str, int]]) -> str:
+        kinds = sorted({k for c in counts for k in c if " " not in k},
+                       key=lambda k: (-max(c.get(k, 0) for c in counts), k))
+        parts = []
+        for k in kinds:
+            part = f"{k} {med([c.get(k, 0) for c in counts]):,.0f}"
+            codes = sorted({x.split(" ", 1)[1] for c in counts for x in c if x.startswith(f"{k} ")})
+            if codes:
+                part += " (" + ", ".join(f"{code}: {med([c.get(f'{k} {code}', 0) for c in counts]):,.0f}"
+                                         for code in codes) + ")"
+            parts.append(part)
+        return ", ".join(parts)
 
     srv = [{k: v for k, v in s.extra["server"].items() if k != "sent_bytes"} for s in ss]
-    total = med([sum(v for k, v in c.items() if " " not in k) for c in srv]) / n
-    out.append(f"requests/file {total:.2f} (server: {per_file(srv)})")
+    total = med([sum(v for k, v in c.items() if " " not in k) for c in srv])
+    out.append(f"requests/file {total / n:.2f} (server: {by_kind(srv)})")
     own = [s.extra.get("remote", {}).get("requests", {}) for s in ss]
     if any(own):  # marinfs's counters
-        out.append(f"marinfs's own/file: {per_file(own)}")
+        out.append(f"marinfs's own: {by_kind(own)}")
     return out
 
 
