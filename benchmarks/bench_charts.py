@@ -46,9 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 # bench.py's TOOLS and LABELS (not imported: bench.py imports the servers and marinfs).
-TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "local")
+TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "rclone", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
-          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "local": "local ext4"}
+          "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "rclone": "rclone mount",
+          "runai": "Run:ai streamer (direct)", "local": "local ext4"}
 DIRECT = ("obstore", "s3fs-py", "gcsfs")  # in the harness's own process: no reader apart from it
 ROLES = ("client", "reader", "server", "proxy")
 ROLE_COLORS = {"client": "tab:blue", "reader": "tab:cyan", "server": "tab:gray", "proxy": "tab:olive"}

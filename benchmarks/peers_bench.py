@@ -295,6 +295,29 @@ class Poll(threading.Thread):
         return self.at
 
 
+def list_objects(fs: Any, bucket: str, prefix: str) -> tuple[dict[str, int], int]:
+    """Every key under ``prefix`` with its size, listed by ``fs`` (an s3fs client: plain
+    ListObjectsV2 pages, no cache), and how many requests that took."""
+    sizes: dict[str, int] = {}
+    token: dict[str, str] = {}
+    pages = 0
+    while True:
+        out = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
+        pages += 1
+        sizes.update((o["Key"], o["Size"]) for o in out.get("Contents", []))
+        if not out.get("IsTruncated"):
+            return sizes, pages
+        token = {"ContinuationToken": out["NextContinuationToken"]}
+
+
+def wipe(fs: Any, bucket: str, prefix: str) -> None:
+    """Delete every key under ``prefix``, directory markers included."""
+    keys = list(list_objects(fs, bucket, prefix)[0])
+    for i in range(0, len(keys), 1000):
+        fs.call_s3("delete_objects", Bucket=bucket,
+                   Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+
 # -- the server and the direct client -------------------------------------------------------------
 @dataclass
 class Env:
@@ -317,17 +340,7 @@ class Env:
     def wipe(self, rel: str) -> None:
         """Delete every key under ``rel``, directory markers (``rel/``, ``rel/sub/``) included."""
         bucket, _, prefix = self.remote(rel).partition("/")
-        keys: list[str] = []
-        token: dict[str, str] = {}
-        while True:
-            out = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
-            keys += [o["Key"] for o in out.get("Contents", [])]
-            if not out.get("IsTruncated"):
-                break
-            token = {"ContinuationToken": out["NextContinuationToken"]}
-        for i in range(0, len(keys), 1000):
-            self.fs.call_s3("delete_objects", Bucket=bucket,
-                            Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        wipe(self.fs, bucket, prefix)
 
     @property
     def poller(self) -> Any:
@@ -395,6 +408,36 @@ def _wait_mounted(path: Path, proc: subprocess.Popen, log: Path, what: str, time
         time.sleep(0.05)
 
 
+def mount_command(tool: str, srv: Any, endpoint: str, prefix: str, mnt: Path, cache: Path,
+                  log: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that mount ``prefix`` (``bucket/path``) of ``srv`` (a
+    ``servers.S3Server``) at ``mnt`` by a peer tool in the foreground, talking to ``endpoint`` (the
+    server's, or a latency proxy's): ``rclone-MODE`` (``--vfs-cache-mode MODE``: full, writes,
+    off), ``s3fs-fuse`` or ``fsspec-fuse``. Credentials files go next to ``cache``. bench.py
+    mounts its peers with this too."""
+    if tool.startswith("rclone-"):
+        conf = cache.parent / f"{cache.name}.rclone.conf"
+        conf.write_text(f"[bench]\ntype = s3\nprovider = Other\nenv_auth = false\n"
+                        f"access_key_id = {srv.access_key}\nsecret_access_key = {srv.secret_key}\n"
+                        f"endpoint = {endpoint}\nregion = {srv.region}\nforce_path_style = true\n")
+        conf.chmod(0o600)
+        args = [RCLONE, "--config", str(conf), "mount", f"bench:{prefix}", str(mnt),
+                "--vfs-cache-mode", tool.split("-", 1)[1], "--cache-dir", str(cache), "--log-file", str(log)]
+        # rclone 1.60 refuses to start when AWS_CA_BUNDLE is set (even for http endpoints)
+        return args, {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+    if tool == "s3fs-fuse":
+        pw = cache.parent / f"{cache.name}.s3fs.passwd"
+        pw.write_text(f"{srv.access_key}:{srv.secret_key}\n")
+        pw.chmod(0o600)
+        bucket, _, sub = prefix.partition("/")
+        return ["s3fs", f"{bucket}:/{sub}", str(mnt), "-f", "-o",
+                f"passwd_file={pw},url={endpoint},use_path_request_style,dbglevel=warn"], dict(os.environ)
+    if tool == "fsspec-fuse":
+        return [sys.executable, str(ROOT / "benchmarks" / "fsspec_fuse_mount.py"), endpoint, prefix,
+                str(mnt)], dict(os.environ)
+    raise ValueError(tool)
+
+
 @contextmanager
 def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
     """A fresh mount of the bench prefix by ``tool``, with its own empty cache; always unmounted."""
@@ -418,30 +461,7 @@ def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
             m.metrics_port, m.pid = port, json.loads(state_file(str(mnt)).read_text())["pid"]
             cpu_watch(m.pid, srv.proc.pid)
         else:
-            if tool.startswith("rclone"):
-                conf = tmp / "rclone.conf"
-                conf.write_text(f"[bench]\ntype = s3\nprovider = Other\nenv_auth = false\n"
-                                f"access_key_id = {srv.access_key}\nsecret_access_key = {srv.secret_key}\n"
-                                f"endpoint = {srv.endpoint}\nregion = {srv.region}\nforce_path_style = true\n")
-                mode = tool.split("-", 1)[1]
-                args = [RCLONE, "--config", str(conf), "mount", f"bench:{env.prefix}", str(mnt),
-                        "--vfs-cache-mode", mode, "--cache-dir", str(cache), "--log-file", str(log)]
-                # rclone 1.60 refuses to start when AWS_CA_BUNDLE is set (even for http endpoints)
-                penv = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
-            elif tool == "s3fs-fuse":
-                pw = tmp / "s3fs.passwd"
-                pw.write_text(f"{srv.access_key}:{srv.secret_key}\n")
-                pw.chmod(0o600)
-                bucket, _, sub = env.prefix.partition("/")
-                args = ["s3fs", f"{bucket}:/{sub}", str(mnt), "-f", "-o",
-                        f"passwd_file={pw},url={srv.endpoint},use_path_request_style,dbglevel=warn"]
-                penv = dict(os.environ)
-            elif tool == "fsspec-fuse":
-                args = [sys.executable, str(ROOT / "benchmarks" / "fsspec_fuse_mount.py"), srv.endpoint,
-                        env.prefix, str(mnt)]
-                penv = dict(os.environ)
-            else:
-                raise ValueError(tool)
+            args, penv = mount_command(tool, srv, srv.endpoint, env.prefix, mnt, cache, log)
             with open(log, "ab") as out:
                 proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=penv,
                                         start_new_session=True)
