@@ -259,10 +259,11 @@ class Filesystem:
     # -- the daemon's view ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """What the daemon publishes (status file, metrics): chunk cache counters, remote
-        requests, pending and failed uploads, passthrough opens and the versions open so now."""
+        requests, pending and failed uploads, the chunk memory, passthrough opens and the
+        versions open so now."""
         cache = self.fetcher.cache
         return {"cache": cache.snapshot() if cache else None, "remote_requests": self.remote.stats.snapshot(),
-                "uploads": self.upload_status(),
+                "uploads": self.upload_status(), "memory": self.fetcher.memory(),
                 "passthrough": {"on": self.backings is not None, "opens": self.passthrough_opens,
                                 "files": cache.pinned() if cache else 0}}
 

@@ -88,6 +88,8 @@ class _Held:
     served: int = 0  # bytes read from it; a reader that read them all releases it
     keep: bool = False  # fetched for random reads: cached through the page cache (ChunkCache.put)
     cost: int = 0  # what it occupies in the budget: its buffer's capacity, not only its bytes
+    whole: bool = False  # its object's only chunk (a small file): see _done_with_locked
+    stored: bool = False  # the disk cache has it
 
 
 class ChunkFetcher:
@@ -215,6 +217,16 @@ class ChunkFetcher:
         if entry.held and entry.served >= len(entry.data):
             entry.held = False  # read through: in the page cache now, and on disk soon
             self._hold.discard(ck)
+        self._done_with_locked(ck, entry)
+
+    def _done_with_locked(self, ck: ChunkKey, entry: _Held) -> None:
+        """A small file's only chunk leaves memory once it was read through and is on disk: the
+        reader's page cache and the disk cache serve it again, and a walk over thousands of small
+        files would otherwise fill the budget with them (they are never read twice from here)."""
+        if (entry.whole and entry.stored and not entry.held and not entry.writing
+                and entry.served >= len(entry.data) and self._chunks.get(ck) is entry):
+            del self._chunks[ck]
+            self._used -= entry.cost
 
     def ahead(self, obj: ObjectRef, index: int, load: bool = True) -> bool:
         """Fetch chunk ``index`` ahead of a sequential reader, held for it, if the mount's
@@ -426,7 +438,8 @@ class ChunkFetcher:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
                 entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep,
-                              cost=self._cost_of(data))
+                              cost=self._cost_of(data), whole=index == 0 and obj.size <= self.chunk_size,
+                              stored=loaded)
                 self._reserved -= reserved
                 reserved = 0
                 old = self._chunks.pop(ck, None)
@@ -471,18 +484,21 @@ class ChunkFetcher:
         return buf[:size]
 
     def _put(self, ck: ChunkKey, entry: _Held) -> None:
+        stored = False
         try:
             assert self.cache is not None
-            self.cache.put(ck, entry.data, keep=entry.keep)  # may refuse (full disk): then memory is all we have
+            stored = self.cache.put(ck, entry.data, keep=entry.keep)  # may refuse (full disk): then memory is all we have
         except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
             log.warning("caching chunk %s failed: %s", ck, exc)
         finally:
-            self._written(ck, entry)
+            self._written(ck, entry, stored)
             self._wrote()
 
-    def _written(self, ck: ChunkKey, entry: _Held) -> None:
+    def _written(self, ck: ChunkKey, entry: _Held, stored: bool = False) -> None:
         with self._lock:
             entry.writing = False  # on disk (or refused): memory may let it go
+            entry.stored = stored
+            self._done_with_locked(ck, entry)
             self._trim_locked()
 
     def _wrote(self) -> None:
@@ -504,10 +520,13 @@ class ChunkFetcher:
         return True
 
     def memory(self) -> dict[str, int]:
-        """What the budget holds: bytes in memory, asked for ahead, the limit."""
+        """What the budget holds (bytes in memory, asked for ahead, the limit) and what the buffer
+        pool has mapped (now, at most since the start, idle now)."""
         with self._lock:
-            return {"used": self._used, "reserved": self._reserved, "limit": self.memory_bytes,
-                    "chunks": len(self._chunks), "held": sum(e.held for e in self._chunks.values())}
+            out = {"used": self._used, "reserved": self._reserved, "limit": self.memory_bytes,
+                   "chunks": len(self._chunks), "held": sum(e.held for e in self._chunks.values())}
+        pool = self.buffers
+        return {**out, "buffers_mapped": pool.mapped, "buffers_peak": pool.peak, "buffers_idle": pool.idle()}
 
     def drop_memory(self) -> None:
         """Forget every chunk in memory (tests: only the disk cache is left)."""

@@ -39,7 +39,7 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())
                 if published.get("pid") == info.get("pid"):
-                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "passthrough")
+                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "memory", "passthrough")
                                  if k in published})
             if "uptime_s" not in item and isinstance(info.get("started"), (int, float)):
                 # Nothing published yet (the daemon publishes every 2 s): the state file's start.
@@ -66,6 +66,11 @@ def format_status(items: list[dict[str, Any]]) -> str:
             ratio = f"{100 * cache['hits'] / lookups:.1f}%" if lookups else "n/a"
             lines.append(f"  cache {human_size(cache['bytes_used'])} / {human_size(cache['bytes_limit'])}, "
                          f"hit ratio {ratio}, {cache['evictions']} evictions")
+        memory = it.get("memory")
+        if memory:
+            lines.append(f"  chunk memory {human_size(memory['used'] + memory['reserved'])} / "
+                         f"{human_size(memory['limit'])}, buffers mapped {human_size(memory['buffers_mapped'])} "
+                         f"(peak {human_size(memory['buffers_peak'])})")
         through = it.get("passthrough")
         if through:
             lines.append(f"  passthrough: {'on' if through['on'] else 'off'}, {through['opens']} opens, "
