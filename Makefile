@@ -18,17 +18,19 @@ system-deps:
 # libfuse >= 3.17 lets the kernel read files the chunk cache holds whole by itself (FUSE
 # passthrough, docs/caching.md). Debian 12 ships 3.14: this builds Debian 13's 3.17 source
 # (checked against its SHA-256) into /usr/local, beside it; marinfs loads the newest
-# (marinfs/libfuse.py). Only the library: fusermount3 and the rest stay Debian's.
+# (marinfs/libfuse.py). Only the library: fusermount3 and the rest stay Debian's. The source
+# comes from the Debian mirror (and proxy) this machine's apt is configured with
+# (tools/fetch_from_apt_mirror.py): no host is named here.
 LIBFUSE_VERSION := 3.17.2
 LIBFUSE_SHA256 := 3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
-LIBFUSE_URL := http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_$(LIBFUSE_VERSION).orig.tar.gz
+LIBFUSE_POOL := pool/main/f/fuse3/fuse3_$(LIBFUSE_VERSION).orig.tar.gz
 LIBFUSE_BUILD := build/libfuse
 
 libfuse:
 	@if /sbin/ldconfig -p | grep -q 'libfuse3\.so\.[4-9] '; then exit 0; fi; \
 	echo "building libfuse $(LIBFUSE_VERSION) into /usr/local (passthrough)"; \
 	rm -rf $(LIBFUSE_BUILD) && mkdir -p $(LIBFUSE_BUILD) && cd $(LIBFUSE_BUILD) && \
-	$(PYTHON) -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], "src.tar.gz")' $(LIBFUSE_URL) && \
+	$(PYTHON) $(CURDIR)/tools/fetch_from_apt_mirror.py $(LIBFUSE_POOL) $(LIBFUSE_SHA256) src.tar.gz && \
 	echo "$(LIBFUSE_SHA256)  src.tar.gz" | sha256sum -c --quiet && \
 	tar xzf src.tar.gz && $(PYTHON) -m venv tools && tools/bin/pip install -q meson ninja && \
 	export PATH="$$PWD/tools/bin:$$PATH" && cd fuse-$(LIBFUSE_VERSION) && \

@@ -16,6 +16,20 @@ from marinfs.settings import human_size
 WARM_READ = 8 << 20
 
 
+def only_cache_under(root: Path) -> Path:
+    """The one cache directory under ``root`` (each mount with default settings has its own
+    there; an older marinfs used ``root`` itself), for `cache stats|clear` without --cache-dir."""
+    found = [d for d in sorted(root.iterdir()) if d.is_dir() and (d / "lock").exists()] if root.is_dir() else []
+    if (root / "lock").exists():
+        found.insert(0, root)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise UsageError(f"no marinfs cache directory under {root}; give --cache-dir DIR")
+    raise UsageError(f"{len(found)} cache directories under {root} (one per mount: "
+                     f"{', '.join(d.name for d in found)}); give --cache-dir DIR")
+
+
 def stats(cache_dir: Path) -> dict:
     """The running daemon's counters when one uses ``cache_dir``, plus what is on disk."""
     if not cache_dir.is_dir():

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from marinfs import __version__
-from marinfs.config import BY_NAME, SETTINGS, MountConfig, default_cache_dir, normalize_remote
+from marinfs.config import BY_NAME, SETTINGS, MountConfig, cache_root, normalize_remote
 from marinfs.errors import MarinfsError, UsageError
 from marinfs.settings import BOOL, FLAG, Bad, Setting
 
@@ -168,7 +168,7 @@ def run(argv: list[str]) -> int:
                 raise UsageError("--workers must be >= 1")
             print(cachecli.warm(ns.paths, workers=ns.workers, quiet=ns.quiet))
             return 0
-        cache_dir = (ns.cache_dir or default_cache_dir()).absolute()
+        cache_dir = ns.cache_dir.absolute() if ns.cache_dir else cachecli.only_cache_under(cache_root())
         if ns.cache_command == "stats":
             data = cachecli.stats(cache_dir)
             print(json.dumps(data, indent=2) if ns.json else cachecli.format_stats(data))

@@ -6,6 +6,7 @@ MARINFS_* variables, fstab options, the background child and docs/usage.md read 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -16,12 +17,22 @@ from marinfs.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOB
                               PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, parse_mode, parse_size,
                               parse_storage_option, setting, table)
 
-def default_cache_dir() -> Path:
-    """Root uses /var/cache/marinfs, everyone else the XDG cache dir."""
+def cache_root() -> Path:
+    """Where default cache directories live: /var/cache/marinfs for root, else the XDG cache dir."""
     if os.geteuid() == 0:
         return Path("/var/cache/marinfs")
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "marinfs"
+
+
+def default_cache_dir(remote: str, mountpoint: str) -> Path:
+    """The cache directory of one mount when none is given: its own, under cache_root(), named
+    after the remote and the mountpoint (readable) and a hash of both (unique), so any number
+    of mounts with default settings work side by side (one daemon per cache directory) and a
+    mount finds its own cache, and what it staged, again after a restart."""
+    key = f"{remote}\0{os.path.abspath(mountpoint)}"
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{remote}/{mountpoint}").strip("_.")[:80]
+    return cache_root() / f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def normalize_remote(remote: str, cwd: str | None = None) -> str:
@@ -90,9 +101,11 @@ class MountConfig:
         None, kind=PATH, help="where the daemon logs",
         doc_default="stderr with `--foreground` (the journal under systemd), else `mount-<id>.log` "
                     "in the runtime directory (see above)")
+    # None until __post_init__: the default depends on the remote and the mountpoint.
     cache_dir: Path = setting(
-        factory=lambda: default_cache_dir(), kind=DIR,
-        doc_default="`/var/cache/marinfs` (root), else `$XDG_CACHE_HOME/marinfs`",
+        None, kind=DIR,
+        doc_default="one per mount, named after the remote and the mountpoint, under `/var/cache/marinfs` "
+                    "(root), else `$XDG_CACHE_HOME/marinfs`",
         help="chunk cache and staged writes; created 0700; one daemon per directory")
     # Metadata cache: how long a stat / listing / "does not exist" answer is trusted.
     metadata_ttl: float = setting(5.0, kind=SECONDS, low=0, help="seconds a stat is trusted")
@@ -169,6 +182,10 @@ class MountConfig:
             "environment a JSON object); values that parse as JSON are JSON (`-o anon=true`). They "
             "reach the daemon through its environment, never its command line, so they do not show in `ps`")
 
+    def __post_init__(self) -> None:
+        if self.cache_dir is None and self.remote and self.mountpoint:
+            object.__setattr__(self, "cache_dir", default_cache_dir(self.remote, self.mountpoint))
+
     def remote_settings(self) -> RemoteSettings:
         return RemoteSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                               attempts=self.retries)
@@ -208,5 +225,5 @@ class RemoteSettings:
     upload_concurrency: int = 4
 
 
-__all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "default_cache_dir",
+__all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "cache_root", "default_cache_dir",
            "normalize_remote", "parse_mode", "parse_size", "parse_storage_option"]

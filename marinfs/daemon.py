@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from marinfs.chunkcache import staging_dir, stats_file
-from marinfs.config import SETTINGS, MountConfig
+from marinfs.chunkcache import acquire_lock, staging_dir, stats_file
+from marinfs.config import SETTINGS, MountConfig, cache_root
 from marinfs.errors import MountError, UsageError
 from marinfs.mounts import live_mounts
 from marinfs.notify import sd_notify
@@ -128,6 +128,9 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     os.chmod(cfg.cache_dir, 0o700)
     cache = (ChunkCache(cfg.cache_dir, cfg.cache_size, cfg.cache_min_free, chunk_size=cfg.chunk_size)
              if cfg.cache_size else None)
+    if cache is None:  # the directory still holds staged writes: one daemon, as with a cache
+        acquire_lock(cfg.cache_dir)  # held (its descriptor open) until the process exits
+    warn_of_shared_default(cfg.cache_dir)
     # One memory budget for the whole mount, whatever the number of readers: chunks fetched
     # ahead wait in it until read. The fetches in flight and half as many again keep the
     # workers busy for one reader (96 MiB by default); more readers share it (their windows
@@ -145,6 +148,16 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
     fs.recover_staged(at_start=True)  # what an earlier run staged but never committed
     return fs
+
+
+def warn_of_shared_default(cache_dir: Path) -> None:
+    """Before each mount had a default cache directory of its own, they all used cache_root()
+    itself: staged writes a daemon of that time left there are committed only by a mount with
+    ``--cache-dir`` set to it. Say so once, at start."""
+    root = cache_root()
+    if cache_dir.parent == root and any((root / "staging").glob("*.journal.json")):
+        log.warning("%s holds writes staged by an earlier marinfs that used it for every mount; "
+                    "mount once with --cache-dir %s to commit them", root / "staging", root)
 
 
 def write_stats(fs, cfg: MountConfig, started: float, stopped: bool = False) -> None:  # noqa: ANN001 - Filesystem

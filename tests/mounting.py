@@ -145,14 +145,15 @@ def _stop_pid(pid: int, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def subprocess_mount(url: str, mnt: Path, cache_dir: Path, *extra: str,
+def subprocess_mount(url: str, mnt: Path, cache_dir: Path | None, *extra: str,
                      env: dict[str, str] | None = None, storage_options: dict | None = None,
                      ) -> Iterator[int]:
-    """``marinfs mount`` exactly as a user runs it (background); yields the daemon PID."""
+    """``marinfs mount`` exactly as a user runs it (background); yields the daemon PID.
+    ``cache_dir`` None: no ``--cache-dir``, the mount's default one."""
     tiers.check("mount FUSE (subprocess_mount)")
     mnt.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
-    args = [*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache_dir), *extra]
+    args = [*MARINFS, "mount", url, str(mnt), *(["--cache-dir", str(cache_dir)] if cache_dir else []), *extra]
     for key, value in (storage_options or {}).items():
         args += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
     result = subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=120)

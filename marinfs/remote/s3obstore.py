@@ -11,7 +11,7 @@ retries are off: the one retry loop is remote/base.py's.
 Only pinned reads (``If-Match`` on the ETag) come here, and chunk fetches only with
 MARINFS_GET=obstore (by default they read the socket into the chunk's buffer, s3http.py:
 obstore cannot fill a caller's buffer); everything else, and every store this
-cannot describe (requester pays, SSE-C, virtual-hosted addressing on a custom endpoint), keeps
+cannot describe (requester pays, SSE-C, a bucket with dots addressed virtual-hosted), keeps
 the urllib3 path (s3http.py) or s3fs. Answers become what the rest of marinfs expects: 412
 StaleVersionError, 404 FileNotFoundError, 403/401 PermissionError (the caller falls back),
 throttling, server errors, broken or cut-short bodies and timeouts ConnectionError/TimeoutError.
@@ -107,9 +107,14 @@ class ObstoreGetter:
         aws = host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")
         kw: dict[str, Any] = {"region": meta.region_name or "us-east-1"}
         if s3_config.get("addressing_style") == "virtual":
-            if not aws:
-                raise Unusable("virtual-hosted addressing on a custom endpoint")
             kw["virtual_hosted_style_request"] = True
+            if not aws:
+                # object_store takes a virtual-hosted endpoint with the bucket in it, as botocore
+                # builds it from the endpoint (CoreWeave: https://BUCKET.cwobject.com).
+                parts = urlsplit(endpoint)
+                if not parts.hostname or "." in bucket:
+                    raise Unusable(f"virtual-hosted addressing of {bucket!r} on {endpoint!r}")
+                kw["endpoint"] = parts._replace(netloc=f"{bucket}.{parts.netloc}").geturl().rstrip("/")
         elif not aws:
             kw["endpoint"] = endpoint
             kw["virtual_hosted_style_request"] = False
