@@ -1432,7 +1432,7 @@ def main() -> None:
                   f"at start, {page_us_end:.1f} at end")
         if reported_start is not None and reported_end is not None:
             header += (f"; free page reporting on: {(reported_end - reported_start) / 2**20:.1f} GiB of freed "
-                       f"memory went back to the host during the run (docs/benchmarks.md, Session 17)")
+                       f"memory went back to the host during the run (docs/benchmarks-notebook.md, Session 17)")
         header += ("\n\nclient = the marinfs daemon, the s3fs-fuse or rclone process, this process for the direct "
                    "clients, the streamer's process (over its load) for Run:ai, the reader itself for "
                    "local ext4; reader = the dd / loader / tar / find+cat processes (kernel time of FUSE "

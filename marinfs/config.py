@@ -229,7 +229,7 @@ class RemoteSettings:
     # file, 1 MiB of memory each; GCS holds each in memory) and 2x+2 sending threads a mount.
     # Not smaller: against SeaweedFS, 5 and 8 MiB parts cost the server the same CPU per GiB
     # as 16 MiB and the daemon more, and shorten only the close-time tail, a small part of a
-    # big write (docs/benchmarks.md, branch `gcsw`); fewer parts mean fewer requests on S3.
+    # big write (docs/benchmarks-notebook.md, branch `gcsw`); fewer parts mean fewer requests on S3.
     upload_part_size: int = 16 << 20
     upload_concurrency: int = 4
     # The read path's switches (MountConfig's rows of the same names).
