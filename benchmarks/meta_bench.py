@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 import bench  # noqa: E402  (start_proxy, stop_proc)
-import peers_bench as pb  # noqa: E402  (scrape, counts_delta, _fusermount_u, _wait_gone, _wait_mounted)
+import peers_bench as pb  # noqa: E402  (scrape, counts_delta, unmount, _fusermount_u, _wait_gone, _wait_mounted)
 import servers  # noqa: E402  (tests/servers.py)
 
 from marinfs.daemon import state_file  # noqa: E402
@@ -74,13 +74,7 @@ def marinfs_mount(url: str, env: dict[str, str], tmp: Path, name: str) -> Iterat
         pid = int(json.loads(state_file(str(mnt)).read_text())["pid"])
         yield pb.Mount("marinfs", mnt, metrics_port=port)
     finally:
-        if pid is not None and subprocess.run([*MARINFS, "umount", str(mnt)], cwd=ROOT,
-                                              capture_output=True).returncode != 0:
-            pb._fusermount_u(mnt)
-        if pid is not None:
-            pb._wait_gone(pid, None)
-        shutil.rmtree(cache, ignore_errors=True)
-        mnt.rmdir()
+        pb.unmount(mnt, pid, None, cache, marinfs=True)
 
 
 def counted(m: pb.Mount, args: list[str], cwd: Path | None = None) -> tuple[float, dict[str, int]]:

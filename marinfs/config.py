@@ -62,6 +62,7 @@ def normalize_remote(remote: str, cwd: str | None = None) -> str:
 UID_MAX = 2**32 - 2
 
 _NOT_FSTAB = frozenset({FLAG, TOML, ENV, CHILD})  # a list or table has no place in a comma-separated -o
+_ENV_ONLY = frozenset({ENV, CHILD})  # MARINFS_<KEY> only; a background daemon gets it by environment
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,30 @@ class MountConfig:
         doc="an fsspec storage option (repeatable; in a file a `[storage_options]` table, in the "
             "environment a JSON object); values that parse as JSON are JSON (`-o anon=true`). They "
             "reach the daemon through its environment, never its command line, so they do not show in `ps`")
+    # The read path's switches (docs/backends.md): for comparisons, and for a store that refuses
+    # one of our paths. Environment only, and passed to a background daemon the same way.
+    direct_get: bool = setting(
+        True, kind=BOOL, routes=_ENV_ONLY, child_env=True,
+        help="requests sent by marinfs itself (S3: presigned URLs, obstore; GCS: chunk fetches); `0`: "
+             "everything through s3fs or gcsfs",
+        doc="requests sent by marinfs itself (S3: reads, small PUTs, parts and listings as presigned URLs, "
+            "and obstore; GCS: chunk fetches); `0`: every request through s3fs or gcsfs (see "
+            "[backends.md](backends.md#what-object-stores-change))")
+    obstore: bool = setting(
+        True, kind=BOOL, routes=_ENV_ONLY, child_env=True, doc_default="on (where obstore is installed)",
+        help="S3: pinned ranged reads through obstore (Rust, the lock released); `0`: never obstore")
+    get: str = setting(
+        "socket", kind=CHOICE, choices=("socket", "obstore"), routes=_ENV_ONLY, child_env=True,
+        help="S3 chunk fetches: `socket` (the body read into the chunk's buffer) or `obstore` (its answer "
+             "copied in)")
+    part_checksum: str = setting(
+        "crc32c", kind=CHOICE, choices=("crc32c", "md5"), routes=_ENV_ONLY, child_env=True,
+        doc_default="`crc32c` (`md5` without google-crc32c's C library)",
+        help="S3: what each upload part sent by marinfs carries: `crc32c` or `md5` (`Content-MD5`, for a store "
+             "that does not check CRC-32C)")
+    fetch_into: bool = setting(
+        True, kind=BOOL, routes=_ENV_ONLY, child_env=True,
+        help="chunk fetches read into pooled buffers; `0`: fetched as `bytes` and copied in (every backend)")
 
     def __post_init__(self) -> None:
         if self.cache_dir is None and self.remote and self.mountpoint:
@@ -188,7 +213,8 @@ class MountConfig:
 
     def remote_settings(self) -> RemoteSettings:
         return RemoteSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                              attempts=self.retries)
+                              attempts=self.retries, direct_get=self.direct_get, obstore=self.obstore,
+                              get=self.get, part_checksum=self.part_checksum)
 
     def validate(self) -> "MountConfig":
         """The table's bounds, for configs built in Python (every route already checked its input)."""
@@ -220,9 +246,14 @@ class RemoteSettings:
     # file, 1 MiB of memory each; GCS holds each in memory) and 2x+2 sending threads a mount.
     # Not smaller: against SeaweedFS, 5 and 8 MiB parts cost the server the same CPU per GiB
     # as 16 MiB and the daemon more, and shorten only the close-time tail, a small part of a
-    # big write (docs/benchmarks.md, branch `gcsw`); fewer parts mean fewer requests on S3.
+    # big write (docs/benchmarks-notebook.md, branch `gcsw`); fewer parts mean fewer requests on S3.
     upload_part_size: int = 16 << 20
     upload_concurrency: int = 4
+    # The read path's switches (MountConfig's rows of the same names).
+    direct_get: bool = _DEFAULTS["direct_get"]
+    obstore: bool = _DEFAULTS["obstore"]
+    get: str = _DEFAULTS["get"]
+    part_checksum: str = _DEFAULTS["part_checksum"]
 
 
 __all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "cache_root", "default_cache_dir",

@@ -138,7 +138,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     budget = min(cfg.max_readahead_chunks + cfg.prefetch_workers, 3 * cfg.prefetch_workers // 2) * cfg.chunk_size
     fetcher = ChunkFetcher(remote.read_buffer, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers, memory_bytes=max(4 * cfg.chunk_size, budget),
-                           fetch_into=remote.read_into if os.environ.get("MARINFS_FETCH_INTO", "1") != "0" else None)
+                           fetch_into=remote.read_into if cfg.fetch_into else None)
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=staging_dir(cfg.cache_dir), metadata=metadata,

@@ -254,3 +254,16 @@ def test_owner_and_modes_from_flags(tmp_path: Path, remote_dir: Path) -> None:
         st = os.stat(mnt / "a.txt")
         assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 4321, 0o600)
         assert os.stat(mnt / "d").st_mode & 0o7777 == 0o700
+
+
+def test_a_bad_read_path_switch_is_one_line_and_exit_2(tmp_path: Path, remote_dir: Path) -> None:
+    """The read path's switches are settings: a bad value fails the mount before anything starts."""
+    (tmp_path / "mnt").mkdir()
+    try:
+        for name, bad in (("MARINFS_PART_CHECKSUM", "sha1"), ("MARINFS_DIRECT_GET", "maybe"), ("MARINFS_GET", "boto")):
+            result = marinfs("mount", str(remote_dir), str(tmp_path / "mnt"), env={name: bad})
+            assert_one_line_error(result, name, bad)
+            assert result.returncode == 2 and not os.path.ismount(tmp_path / "mnt")
+    finally:
+        if os.path.ismount(tmp_path / "mnt"):  # only if the switch was taken: never leave a mount
+            force_unmount(tmp_path / "mnt")

@@ -10,12 +10,15 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from marinfs import configfile
+from marinfs.config import RemoteSettings
 from marinfs.remote.s3http import S3Http
-from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError
+from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.remote import Remote
 from marinfs.objects import ABSENT
 
@@ -92,12 +95,10 @@ def getter(base: str, signed: list[str], params: list[dict[str, Any]] | None = N
     return S3Http(presign, connect_timeout=1, read_timeout=0.5)
 
 
-def direct_and_plain(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Remote, Remote]:
+def direct_and_plain(s3_server: Any) -> tuple[Remote, Remote]:
     """Two Remotes over one fresh prefix: one with the direct requests, one through s3fs only."""
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
-    plain = Remote(url, s3_server.storage_options())
-    monkeypatch.delenv("MARINFS_DIRECT_GET")
+    plain = Remote(url, s3_server.storage_options(), RemoteSettings(direct_get=False))  # MARINFS_DIRECT_GET=0
     direct = Remote(url, s3_server.storage_options())
     assert direct._direct is not None and plain._direct is None
     return direct, plain
@@ -150,8 +151,8 @@ def test_truncated_body_and_timeout_are_transient_errors(server: str) -> None:
     assert g.get("b/k", 0, 100, None) == BODY[:100]  # and the next request is fine
 
 
-def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    direct, plain = direct_and_plain(s3_server, monkeypatch)
+def test_same_bytes_and_version_checks_as_s3fs(s3_server: Any) -> None:
+    direct, plain = direct_and_plain(s3_server)
     data = os.urandom(3 << 20)
     direct.fs.pipe_file(direct.full("obj"), data)
     version = direct.stat("obj").version
@@ -185,12 +186,11 @@ def test_put_answers_the_etag_and_maps_statuses(server: str) -> None:
     assert g.put("b/new", b"xy", {}) == "etag-of-2" and len(signed) == before + 2  # signed again once
 
 
-def test_small_commits_go_direct_with_preconditions(s3_server: Any, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Any) -> None:
+def test_small_commits_go_direct_with_preconditions(s3_server: Any, tmp_path: Any) -> None:
     """The direct PUT keeps every rule of the s3fs one: the version it answers is the one a
     stat sees, If-None-Match/If-Match are enforced by the server, and a PUT retried after its
     answer was lost (it finds its own bytes) is not a conflict."""
-    direct, plain = direct_and_plain(s3_server, monkeypatch)
+    direct, plain = direct_and_plain(s3_server)
     src = tmp_path / "src"
     for remote, name in ((direct, "d"), (plain, "p")):
         src.write_bytes(b"first " + name.encode())
@@ -236,10 +236,10 @@ def test_presigner_falls_back_to_s3fs_when_its_client_would_sign_differently(
     assert third._clients[s3_server.bucket] is None
 
 
-def test_listings_match_s3fs_entry_for_entry(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_listings_match_s3fs_entry_for_entry(s3_server: Any) -> None:
     """The direct ListObjectsV2 (ElementTree, URL-encoded keys, every page) gives the very
     ObjectInfos the s3fs listing gives: files, prefixes, markers, odd names, 1,000+ keys."""
-    direct, plain = direct_and_plain(s3_server, monkeypatch)
+    direct, plain = direct_and_plain(s3_server)
     odd = ["sp ace", "ü-é", "a+b", "%41", "q?x=1", "semi;colon", "amp&lt", "<tag>", "quote\"s", "star*"]
     blobs = {f"d/{n}": n.encode() for n in odd}
     blobs |= {f"many/f{i:05d}": b"x" * (i % 7) for i in range(1203)}
@@ -491,7 +491,7 @@ def test_pinned_reads_go_through_obstore_on_seaweedfs(s3_server: Any) -> None:
     assert not remote._obstore_refused
 
 
-def test_a_read_obstore_is_refused_falls_back(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_obstore_is_refused_falls_back(s3_server: Any) -> None:
     """A server that refuses obstore's request (403) where the urllib3 path passes costs speed,
     never a read: the read goes that way, and every later one at once; a denial both paths meet
     is the answer. MARINFS_OBSTORE=0 (or obstore missing) is today's path from the start."""
@@ -515,8 +515,7 @@ def test_a_read_obstore_is_refused_falls_back(s3_server: Any, monkeypatch: pytes
     with pytest.raises(PermissionError):
         other.read_range("f", 0, 4, version)
 
-    monkeypatch.setenv("MARINFS_OBSTORE", "0")
-    assert Remote(url, s3_server.storage_options())._obstore is None
+    assert Remote(url, s3_server.storage_options(), RemoteSettings(obstore=False))._obstore is None  # MARINFS_OBSTORE=0
 
 
 ODD_KEYS = ["d/new\nline", "d/tab\tx", "d/b\\c", "d/./b", "d/../b", "d//b", "d/%41", "d/x y", "d/\x7f",
@@ -675,7 +674,7 @@ def test_read_into_on_s3_matches_read_range_retries_short_bodies_and_is_stale_on
     replaced object ESTALE."""
     from marinfs.remote.s3http import S3Http
 
-    direct, _ = direct_and_plain(s3_server, monkeypatch)
+    direct, _ = direct_and_plain(s3_server)
     if direct._obstore is not None:
         monkeypatch.setattr(direct._obstore, "get", lambda *a: (_ for _ in ()).throw(AssertionError("obstore")))
     data = os.urandom((3 << 20) + 5)
@@ -824,8 +823,7 @@ def _spy_parts(remote: Remote) -> list[dict[str, str]]:
     return sent
 
 
-def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_path: Any,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_path: Any) -> None:
     """SeaweedFS checks a part's CRC-32C (a wrong one is BadDigest: sent again, then an error);
     the completion lists every part's. MARINFS_PART_CHECKSUM=md5 sends Content-MD5 instead."""
     from marinfs.config import RemoteSettings
@@ -852,8 +850,7 @@ def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_pat
     assert not remote.fs.exists(remote.full("refused"))
     remote._direct._digest = digest
 
-    monkeypatch.setenv("MARINFS_PART_CHECKSUM", "md5")
-    md5_remote = Remote(url, s3_server.storage_options(), settings)
+    md5_remote = Remote(url, s3_server.storage_options(), replace(settings, part_checksum="md5"))
     sent = _spy_parts(md5_remote)
     md5_remote.upload(str(src), "md5", ABSENT)
     assert md5_remote.fs.cat_file(md5_remote.full("md5")) == data
@@ -861,9 +858,10 @@ def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_pat
     md5_remote._direct._digest = lambda *a: ({"md5": "1B2M2Y8AsgTpgAmY7PhCfg=="}, digest(*a)[1])
     with pytest.raises(RemoteError, match="BadDigest"):  # after the retries
         md5_remote.upload(str(src), "refused", ABSENT)
-    monkeypatch.setenv("MARINFS_PART_CHECKSUM", "sha1")
-    with pytest.raises(Exception, match="MARINFS_PART_CHECKSUM"):
-        Remote(url, s3_server.storage_options())
+    with pytest.raises(UsageError, match="MARINFS_PART_CHECKSUM"):  # the settings table refuses it
+        configfile.from_env({"MARINFS_PART_CHECKSUM": "sha1"})
+    with pytest.raises(UsageError, match="part_checksum"):  # and so does a Remote built in Python
+        Remote(url, s3_server.storage_options(), replace(settings, part_checksum="sha1"))
 
 
 def test_a_server_that_does_not_echo_the_crc32c_gets_md5(s3_server: Any, tmp_path: Any) -> None:

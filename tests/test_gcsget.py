@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from marinfs.config import RemoteSettings
 from marinfs.errors import StaleVersionError
 from marinfs.remote import Remote, is_transient
 from marinfs.remote.gcshttp import GCSHttp, usable
@@ -184,10 +185,8 @@ def test_what_the_path_cannot_reproduce_keeps_gcsfs(server: str) -> None:
 def remote_with(gcs_server: Any, monkeypatch: pytest.MonkeyPatch, direct: bool = True) -> Remote:
     for name, value in gcs_server.env().items():
         monkeypatch.setenv(name, value)
-    if not direct:
-        monkeypatch.setenv("MARINFS_DIRECT_GET", "0")
-    remote = Remote(f"gs://{gcs_server.bucket}/t-{uuid.uuid4().hex[:12]}", gcs_server.storage_options())
-    monkeypatch.delenv("MARINFS_DIRECT_GET", raising=False)
+    remote = Remote(f"gs://{gcs_server.bucket}/t-{uuid.uuid4().hex[:12]}", gcs_server.storage_options(),
+                    RemoteSettings(direct_get=direct))  # MARINFS_DIRECT_GET=0 when not direct
     assert (remote._direct is not None) == direct
     return remote
 

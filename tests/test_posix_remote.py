@@ -17,6 +17,7 @@ import pytest
 
 from conftest import object_store
 from marinfs import posixmeta as pm
+from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
 from marinfs.remote import GenericRemote, Remote
@@ -518,11 +519,9 @@ def test_store_read_small_and_put_small(store: Any) -> None:
 @pytest.mark.objectstore
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["presigned", "s3fs"])
 def test_s3_put_metadata_is_signed_into_the_presigned_url_or_sent_by_s3fs(request: pytest.FixtureRequest,
-                                                                       monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path, direct: str) -> None:
-    monkeypatch.setenv("MARINFS_DIRECT_GET", direct)
     url, options, _ = object_store(request, "s3")
-    remote = Remote(url, options)
+    remote = Remote(url, options, RemoteSettings(direct_get=direct == "1"))  # MARINFS_DIRECT_GET=direct
     assert (remote._direct is not None) == (direct == "1")
     remote.upload(_src(tmp_path), "f", ABSENT, attrs=FULL)
     assert not remote._direct_refused  # a signature mismatch would be a 403, then s3fs's PUT

@@ -52,6 +52,8 @@ def samples(tmp: Path) -> dict[str, Any]:
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
+        # The read path's switches: a local remote has none of those paths, so they change nothing else.
+        "direct_get": False, "obstore": False, "get": "obstore", "part_checksum": "md5", "fetch_into": False,
     }
 
 
@@ -207,7 +209,8 @@ ROUTES = {
     TOML: "a --config file, in the foreground",
     ENV: "MARINFS_* variables, in the foreground",
     FSTAB: "mount.marinfs SOURCE MOUNTPOINT -o ..., which starts marinfs in the background",
-    CHILD: "marinfs mount in the background: the child gets its settings from us",
+    CHILD: "marinfs mount in the background (flags, and variables for what has no flag): the child gets "
+           "its settings from us",
 }
 
 
@@ -218,8 +221,11 @@ def test_every_setting_reaches_the_daemon(route: str, values: dict[str, Any], tm
     mnt = Path(values["mountpoint"])
     env, foreground = clean_env(), route in (FLAG, TOML, ENV)
     if route in (FLAG, CHILD):
-        command = [*MARINFS, "mount", *flag_args(values, names)]
+        flagged = [name for name in names if name in on(FLAG)]
+        command = [*MARINFS, "mount", *flag_args(values, flagged)]
         command += ["--foreground"] if route == FLAG else []
+        # What no flag carries (the read path's switches) comes by environment.
+        env = clean_env(**env_vars(values, [name for name in names if name not in flagged]))
     elif route == TOML:
         config = tmp_path / "marinfs.toml"
         config.write_text(toml_text(values, names))
@@ -265,3 +271,36 @@ def test_the_child_command_reads_back_as_the_same_config(tmp_path: Path, monkeyp
     assert argv[1:4] == ["-m", "marinfs", "mount"]
     child = _mount_config(build_parser().parse_args(argv[3:]))
     assert child == MountConfig(**{**cfg.__dict__, "foreground": True})
+
+
+READ_PATH = {  # MARINFS_<KEY>: a value that is not the default, one that is bad
+    "MARINFS_DIRECT_GET": ("0", "maybe"), "MARINFS_OBSTORE": ("0", "2"), "MARINFS_GET": ("obstore", "boto"),
+    "MARINFS_PART_CHECKSUM": ("md5", "sha1"), "MARINFS_FETCH_INTO": ("0", "no way"),
+}
+
+
+def test_the_read_path_switches_are_settings_of_the_environment_only() -> None:
+    """MARINFS_DIRECT_GET, _OBSTORE, _GET, _PART_CHECKSUM and _FETCH_INTO are rows of the table
+    read by the environment route (no flag, no file key, no fstab option), reach the remote
+    through its RemoteSettings, and a bad value is one line that names the variable."""
+    from marinfs import configfile
+    from marinfs.config import BY_NAME, MountConfig, RemoteSettings
+    from marinfs.errors import UsageError
+
+    for name in READ_PATH:
+        s = BY_NAME[name.removeprefix("MARINFS_").lower()]
+        assert s.env_name == name and s.routes == frozenset({ENV, CHILD}) and s.child_env
+    got = configfile.from_env({name: good for name, (good, _) in READ_PATH.items()})
+    assert got == {"direct_get": False, "obstore": False, "get": "obstore", "part_checksum": "md5",
+                   "fetch_into": False}
+    cfg = MountConfig(remote="/r", mountpoint="/m", **got).validate()
+    assert cfg.remote_settings() == RemoteSettings(direct_get=False, obstore=False, get="obstore",
+                                                   part_checksum="md5")
+    assert RemoteSettings() == MountConfig(remote="/r", mountpoint="/m").remote_settings()
+    assert (RemoteSettings().direct_get, RemoteSettings().obstore, RemoteSettings().get,
+            RemoteSettings().part_checksum) == (True, True, "socket", "crc32c")  # today's defaults
+    assert configfile.from_env({"MARINFS_GET": " OBSTORE ", "MARINFS_FETCH_INTO": "1"}) == {
+        "get": "obstore", "fetch_into": True}
+    for name, (_, bad) in READ_PATH.items():
+        with pytest.raises(UsageError, match=f"^environment {name}: .*{bad!r}"):
+            configfile.from_env({name: bad})

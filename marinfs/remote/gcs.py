@@ -61,8 +61,9 @@ class GCSRemote(Recorded, ObjectStoreRemote):
 
     def _direct_http(self) -> GCSHttp | None:
         """Chunk fetches sent by us, read into the buffer (gcshttp.py), unless
-        MARINFS_DIRECT_GET=0 or gcsfs is configured in a way that path cannot reproduce."""
-        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0":
+        MARINFS_DIRECT_GET=0 (``settings.direct_get``) or gcsfs is configured in a way that path
+        cannot reproduce."""
+        if not self.settings.direct_get:
             return None
         why = usable(self.fs)
         if why is not None:

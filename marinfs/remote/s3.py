@@ -78,17 +78,16 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._obstore_refused = False  # set once obstore failed where the other paths did not
         # Chunk fetches into the fetcher's buffers: read from the socket by urllib3 (default), or
         # through obstore and copied in (MARINFS_GET=obstore).
-        self.get_into_socket = os.environ.get("MARINFS_GET", "socket") != "obstore"
-        self.part_checksum = self._checksum_setting()
+        self.get_into_socket = self.settings.get != "obstore"
+        self.part_checksum = self._checksum_setting(self.settings.part_checksum)
 
     @staticmethod
-    def _checksum_setting() -> str:
-        """What each part sent by us carries (MARINFS_PART_CHECKSUM): crc32c (the default, where
-        google-crc32c's C library is there) or md5 (Content-MD5, for a store that does not
-        check x-amz-checksum-crc32c; 1.8 CPU-s/GiB more)."""
-        wanted = os.environ.get("MARINFS_PART_CHECKSUM", CHECKSUMS[0]).strip().lower()
-        if wanted not in ("crc32c", "md5"):
-            raise UsageError(f"MARINFS_PART_CHECKSUM={wanted!r}: use crc32c or md5")
+    def _checksum_setting(wanted: str) -> str:
+        """What each part sent by us carries (MARINFS_PART_CHECKSUM, checked by the settings
+        table): crc32c (the default, where google-crc32c's C library is there) or md5
+        (Content-MD5, for a store that does not check x-amz-checksum-crc32c; 1.8 CPU-s/GiB more)."""
+        if wanted not in ("crc32c", "md5"):  # a RemoteSettings built in Python, past the table
+            raise UsageError(f"part_checksum {wanted!r}: use crc32c or md5")
         if wanted not in CHECKSUMS:
             log.warning("no CRC-32C in C here (google-crc32c): upload parts carry Content-MD5")
             return "md5"
@@ -124,7 +123,7 @@ class S3Remote(Recorded, ObjectStoreRemote):
     def _direct_http(self) -> S3Http | None:
         """Ranged GETs on plain threads (see s3http.py), unless s3fs adds request options a
         presigned URL cannot carry (requester pays, SSE-C) or MARINFS_DIRECT_GET=0."""
-        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0" or self.fs.req_kw or self.fs.s3_additional_kwargs:
+        if not self.settings.direct_get or self.fs.req_kw or self.fs.s3_additional_kwargs:
             return None
         config = dict(getattr(self.fs, "config_kwargs", None) or {})
         verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
@@ -138,8 +137,8 @@ class S3Remote(Recorded, ObjectStoreRemote):
 
     def _obstore_getter(self) -> ObstoreGetter | None:
         """Pinned ranged GETs through obstore (s3obstore.py) where it is installed and can
-        describe this filesystem's store; MARINFS_OBSTORE=0 turns it off."""
-        if os.environ.get("MARINFS_DIRECT_GET", "1") == "0":
+        describe this filesystem's store; MARINFS_OBSTORE=0 (or MARINFS_DIRECT_GET=0) turns it off."""
+        if not (self.settings.direct_get and self.settings.obstore):
             return None
         config = dict(getattr(self.fs, "config_kwargs", None) or {})
         try:

@@ -47,7 +47,8 @@ _STATUS = re.compile(r"(?:status(?: code)?[:=]?\s*|Status \{ status: |\bHTTP )(\
 
 
 def available() -> bool:
-    return obstore is not None and os.environ.get("MARINFS_OBSTORE", "1") != "0"
+    """Whether obstore is installed (MARINFS_OBSTORE=0 is the S3 backend's to honour)."""
+    return obstore is not None
 
 
 def representable(key: str) -> bool:
