@@ -55,6 +55,15 @@ def _anonymous(size: int) -> mmap.mmap:
     return mm
 
 
+def _close(mm: mmap.mmap) -> None:
+    """Unmap an idle buffer. One given back this very moment may still be exported by its dying
+    array (its finalizer gives it back before the array is freed): it is unmapped once it is."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
 class BufferPool:
     """Page-aligned buffers of up to ``size`` bytes in size classes; idle ones kept while all
     mapped fit in ``keep_bytes``."""
@@ -131,7 +140,7 @@ class BufferPool:
             gone = self._shrink_locked()
         for old in gone:  # (mm itself is unmapped once the dying array's export of it is released)
             if old is not mm:
-                old.close()
+                _close(old)
 
     def _shrink_locked(self) -> list[mmap.mmap]:
         """Let go of the buffers idle longest until everything mapped (in use and idle) fits in
@@ -162,7 +171,7 @@ class BufferPool:
                 self.mapped -= cap * len(gone)
                 old += gone
         for mm in old:
-            mm.close()
+            _close(mm)
         return len(old)
 
     def idle(self) -> int:

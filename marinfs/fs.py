@@ -449,8 +449,9 @@ class Filesystem:
         try:
             children = self.remote.list(key)
         finally:
-            self.metadata.end_listing(key, token, children)
-        return children
+            cached = self.metadata.end_listing(key, token, children)
+        # As cached: with our own changes made meanwhile laid over the answer.
+        return (self.metadata.get_listing(key) if cached else None) or children
 
     def statfs(self) -> dict[str, int]:
         # Object stores have no capacity; report a large, stable figure so df and cp proceed.
@@ -1546,6 +1547,7 @@ class Filesystem:
         target = self._lookup_or_none(dst)
         self._require_dir(posixpath.dirname(dst))
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
+        staged = src in self._staged  # (before the rename moves it to dst)
         self._renaming.moves, self._renaming.copied = [], {}
         try:
             self._rename_remote(src, dst, info, target, new)
@@ -1555,7 +1557,7 @@ class Filesystem:
         self._follow(moves)
         if in_place:
             self._follow_in_place(src, dst, in_place)
-        renamed = self._renamed_info(src, dst, info, target, copied)
+        renamed = self._renamed_info(dst, info, target, copied.get(src), staged)
         if renamed is not None:  # both parents' listings stay valid: rsync renames every file
             self.metadata.removed_own(src)
             self.metadata.put_own(renamed)
@@ -1565,18 +1567,21 @@ class Filesystem:
         self._entries_changed(src, dst)
         self._move_inodes(src, dst)
 
-    def _renamed_info(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None,
-                      copied: dict[str, ObjectVersion]) -> ObjectInfo | None:
+    def _renamed_info(self, dst: str, info: ObjectInfo, target: ObjectInfo | None,
+                      copied: tuple[ObjectVersion, ObjectVersion] | None, staged: bool) -> ObjectInfo | None:
         """What a stat of ``dst`` answers after a file rename here, where this node knows it
-        all: the copy's version (the remote told it) and a time shown that the copy kept (a
-        stored mtime: the copy's own is new); else None (ask the remote)."""
-        if (info.is_dir or info.link or (target is not None and target.link) or src in self._staged
+        all: the remote copied exactly the version ``info`` describes (``copied``: that version
+        and the copy's), and the time shown is one the copy kept (a stored mtime: the copy's
+        own is new); else None (ask the remote). Not for a file with writes staged here (its
+        size may have grown since ``info``)."""
+        if (info.is_dir or info.link or (target is not None and target.link) or staged
                 or self.remote.renames_in_place):  # (a local rename is a syscall: its stat costs as much)
             return None
-        version = copied.get(src)
-        if version is None or info.posix is None or info.posix.mtime_ns is None:
+        if copied is None or info.version is None or copied[0] != info.version:
+            return None  # (the object changed since our stat: its size and attributes may have too)
+        if info.posix is None or info.posix.mtime_ns is None:
             return None
-        return replace(info, name=dst, version=version)
+        return replace(info, name=dst, version=copied[1])
 
     def _rename_remote(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None, new: str) -> None:
         if info.is_dir:
@@ -1668,7 +1673,7 @@ class Filesystem:
         moves = getattr(self._renaming, "moves", None)
         if moves is None:
             return
-        self._renaming.copied[src] = new
+        self._renaming.copied[src] = (old, new)
         with self._lock:
             moves.extend((handle, src, old, dst, new) for handle in self._handles.values()
                          if handle.staged is None and handle.key == src

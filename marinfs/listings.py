@@ -128,7 +128,8 @@ class ListingPrefetcher:
                 raise  # still what a readdir waiting for it would get
             return None
         if self._metadata.end_listing(key, token, children):
-            return children
+            # As cached: a readdir waiting for it sees our own changes made meanwhile.
+            return self._metadata.get_listing(key) or children
         with self._lock:
             self._cooldown[key] = True
         return None

@@ -220,11 +220,12 @@ class ChunkFetcher:
         self._done_with_locked(ck, entry)
 
     def _done_with_locked(self, ck: ChunkKey, entry: _Held) -> None:
-        """A small file's only chunk leaves memory once it was read through and is on disk: the
-        reader's page cache and the disk cache serve it again, and a walk over thousands of small
-        files would otherwise fill the budget with them (they are never read twice from here)."""
+        """A small file's only chunk leaves memory once it is on disk and no reader holds it (it
+        was read through, or fetched ahead of a walker: then the disk serves its open, or the
+        kernel itself through passthrough): a walk over thousands of small files would otherwise
+        fill the budget with chunks never read from here again."""
         if (entry.whole and entry.stored and not entry.held and not entry.writing
-                and entry.served >= len(entry.data) and self._chunks.get(ck) is entry):
+                and self._chunks.get(ck) is entry):
             del self._chunks[ck]
             self._used -= entry.cost
 

@@ -81,7 +81,7 @@ class WalkAhead:
             ahead = walk.files[start:here + 1 + walk.window]
         issued = start - 1
         for info_ in ahead:
-            if info_.size <= self.small and info_.version is not None and not self._fetch(info_):
+            if 0 < info_.size <= self.small and info_.version is not None and not self._fetch(info_):
                 break
             issued += 1
         with self._lock:

@@ -284,6 +284,52 @@ def test_a_listing_that_answers_a_writers_lookups_is_listed_again_before_it_expi
     fs.close()
 
 
+@pytest.mark.parametrize("change", [_commit, _unlink])
+def test_a_readdir_that_joins_a_listing_overtaken_by_our_change_sees_the_change(
+        remote: Remote, tmp_path: Path, change: Callable[[Filesystem], None]) -> None:
+    """A readdir that waits for a background listing sent before this node's own change gets
+    the listing with the change laid over it, not the answer as the remote gave it (found by a
+    review: `rm d/f1; ls d` showed f1)."""
+    put(remote, "d/f0")
+    put(remote, "d/f1")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d")
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)
+    change(fs)
+    result: list[list[str]] = []
+    reader = threading.Thread(target=lambda: result.append(sorted(c.name for c in fs.readdir("/d"))))
+    reader.start()
+    reader.join(0.2)
+    blocked.release()
+    reader.join(10)
+    expected = sorted(f"d/{os.path.basename(k)}" for k in remote.fs.ls(remote.full("d"), detail=False))
+    assert result == [expected]
+
+
+def test_a_rename_of_a_file_changed_behind_this_node_shows_the_copy_as_it_is(
+        remote: Remote, tmp_path: Path) -> None:
+    """This node's stat of the source is older than the object the rename copies (another node
+    rewrote it): the target is not given the old stat's size under the copy's version (found
+    by a review: reads of the target came back cut to the old size)."""
+    if remote.renames_in_place:
+        pytest.skip("a local rename keeps no stat of its own")
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", list_prefetch=True,
+                    metadata=MetadataCache(ttl=60.0))
+    write(fs, "/f", b"a" * 100)
+    fs.set_attributes("/f", mtime_ns=1_700_000_000 * 10**9)
+    assert fs.getattr("/f").size == 100
+    remote.fs.pipe_file(remote.full("f"), b"b" * 200)  # another node, within our stat's TTL
+    fs.rename("/f", "/g")
+    assert fs.getattr("/g").size == 200
+    fh = fs.open("/g", os.O_RDONLY)
+    try:
+        assert fs.read(fh, 1000, 0) == b"b" * 200
+    finally:
+        fs.release(fh)
+
+
 def test_a_readdir_waits_for_the_listing_in_flight_instead_of_listing_again(
         remote: Remote, tmp_path: Path) -> None:
     put(remote, "d/f0")

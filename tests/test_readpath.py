@@ -876,6 +876,24 @@ def test_the_pool_keeps_at_most_its_bound_of_idle_buffers() -> None:
         pool.take(64 * KiB + 1)
 
 
+def test_unmapping_a_buffer_still_exported_by_its_dying_array_is_no_error() -> None:
+    """A buffer is given back by its array's finalizer, before the array is freed: a trim or a
+    shrink in another thread at that moment may pick it, and must not fail (the watcher thread
+    that trims a quiet mount died of the BufferError; found by a review)."""
+    from marinfs.buffers import BufferPool
+
+    pool = BufferPool(MiB, keep_bytes=4 * MiB)
+    view = pool.take(MiB)
+    mm = view.obj._mm  # type: ignore[union-attr]
+    with pool._lock:  # as if given back already, its array still alive
+        pool._idle[MiB].append((mm, 0.0))
+        pool._idle_bytes += MiB
+    assert pool.trim() == 1  # no BufferError
+    view[:3] = b"abc"
+    assert bytes(view[:3]) == b"abc"  # still usable through the live view
+    del view
+
+
 def test_a_small_buffer_takes_its_size_class_and_the_budget_counts_the_class() -> None:
     """A few KiB take a 16 KiB buffer, not a chunk-sized one; what the pool has mapped is
     the sum of the classes, and the idle ones beyond the bound go oldest first, any class."""

@@ -109,6 +109,39 @@ def test_a_window_without_room_is_asked_for_again_at_the_next_open() -> None:
     assert w.open("f02") == [f"d/f{i:02d}" for i in range(4, 11)]
 
 
+@pytest.mark.unit
+def test_a_chunk_fetched_ahead_leaves_memory_once_on_disk(tmp_path: Path) -> None:
+    """A walker's open of a file cached whole may be served by the disk or the kernel itself
+    (passthrough), never from memory: the fetched-ahead chunk is let go once it is on disk
+    (on S3 a walk over 20,000 files kept the budget full of them)."""
+    from marinfs.chunkcache import ChunkCache
+    from marinfs.reader import ObjectRef
+
+    data = os.urandom(40 * KiB)
+    calls = []
+
+    def fetch(key: str, start: int, end: int, version: object) -> bytes:
+        calls.append(key)
+        return data[start:end]
+
+    fetcher = ChunkFetcher(fetch, ChunkCache(tmp_path, 1 << 30), chunk_size=MiB, memory_bytes=8 * MiB)
+    try:
+        deadline = time.monotonic() + 10
+        for i in range(50):  # (8 at once: the rest wait for room, as a walker's later opens ask again)
+            while not fetcher.fetch_ahead(ObjectRef(url=f"mem://b/f{i}", key=f"f{i}", version="v", size=len(data))):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        while fetcher._walking and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fetcher.settle()
+        assert len(calls) == 50 and fetcher.memory()["chunks"] == 0 and fetcher.memory()["used"] == 0
+        view = memoryview(bytearray(len(data)))
+        fetcher.read_into(ObjectRef(url="mem://b/f7", key="f7", version="v", size=len(data)), 0, 0, view)
+        assert view == data and len(calls) == 50  # from the disk cache
+    finally:
+        fetcher.close()
+
+
 def put(remote: Remote, key: str, data: bytes) -> None:
     remote.fs.makedirs(remote.full(os.path.dirname(key)), exist_ok=True)
     remote.fs.pipe_file(remote.full(key), data)
