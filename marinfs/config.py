@@ -136,6 +136,11 @@ class MountConfig:
     # Reads: objects are fetched and cached in chunks of this size, one ranged GET each.
     chunk_size: int = setting(8 << 20, kind=SIZE, low=64 << 10, high=1 << 30,
                               help="bytes per ranged GET and per cached chunk")
+    # Writes: no file grows past this (EFBIG at the write, truncate or fallocate that would
+    # cross it): a `truncate -s 10T` by mistake is refused, not uploaded as 10 TiB of zeros.
+    max_file_size: int = setting(
+        5 << 40, kind=SIZE, low=1, doc_default="5 TiB (S3's and GCS's largest object)",
+        help="the largest file a write, truncate or fallocate may make (EFBIG past it)")
     # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
     cache_size: int = setting(20 << 30, kind=SIZE, low=0, help="hard limit of the chunk cache (0: no disk cache)")
     cache_min_free: int = setting(1 << 30, kind=SIZE, low=0, help="free space the cache leaves on its disk")

@@ -191,8 +191,9 @@ class Filesystem:
                  read_only: bool = False, fetcher: ChunkFetcher | None = None,
                  max_readahead_chunks: int = 32, drain_timeout: float = 300.0,
                  list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
-                 uid: int | None = None, gid: int | None = None) -> None:
+                 uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40) -> None:
         self.remote = remote
+        self.max_file_size = max_file_size  # EFBIG past it (_check_size)
         remote.on_moved = self._moved  # a rename's pinned copy: its readers here follow it
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._renaming = threading.local()  # .moves: what this thread's rename's copies told
@@ -1225,7 +1226,13 @@ class Filesystem:
         handle = self._handle(fh)
         if handle.staged is None:
             raise FsError(errno.EBADF, "file not open for writing")
+        self._check_size((handle.staged.known_size() if handle.append else offset) + len(data))
         return handle.staged.write(data, None if handle.append else offset)
+
+    def _check_size(self, size: int) -> None:
+        """A file may grow to ``size`` bytes: else EFBIG, as a disk answers past its largest file."""
+        if size > self.max_file_size:
+            raise FsError(errno.EFBIG, f"{size} bytes is more than --max-file-size ({self.max_file_size})")
 
     def flush(self, fh: int) -> None:
         """Commit on close: returns only once the remote has the bytes, or raises its error."""
@@ -1356,6 +1363,7 @@ class Filesystem:
         self._writable()
         if length < 0:
             raise FsError(errno.EINVAL)
+        self._check_size(length)
         if fh is not None:
             handle = self._handle(fh)
             if handle.staged is None:
@@ -1388,6 +1396,8 @@ class Filesystem:
         staged = self._handle(fh).staged
         if staged is None:
             raise FsError(errno.EBADF, "file not open for writing")
+        if not mode & FALLOC_FL_KEEP_SIZE:
+            self._check_size(offset + length)
         with staged.lock:
             reserve(staged.fd, offset, length)  # ENOSPC here changes nothing
             if not mode & FALLOC_FL_KEEP_SIZE and offset + length > staged.known_size():

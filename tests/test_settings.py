@@ -28,7 +28,7 @@ from mounting import MARINFS, _stop_pid, daemon_pid, force_unmount
 
 # How flags, variables and fstab options write a value when str() would not do.
 TEXT = {"file_mode": "0600", "dir_mode": "0700", "chunk_size": "1M", "cache_size": "64M",
-        "cache_min_free": "2M"}
+        "cache_min_free": "2M", "max_file_size": "1T"}
 
 
 def free_port() -> int:
@@ -45,7 +45,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "file_mode": 0o600, "dir_mode": 0o700, "log_level": "debug", "log_file": str(tmp / "daemon.log"),
         "cache_dir": str(tmp / "cache"), "metadata_ttl": 7.5, "negative_ttl": 2.5, "list_ttl": 3.5,
         "inode_ttl": 60.0,
-        "immutable": ["ckpt/**", "*.bin"], "list_prefetch": False, "chunk_size": 1 << 20,
+        "immutable": ["ckpt/**", "*.bin"], "list_prefetch": False, "max_file_size": 1 << 40, "chunk_size": 1 << 20,
         "cache_size": 64 << 20, "cache_min_free": 2 << 20, "prefetch_workers": 3,
         "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,

@@ -743,3 +743,49 @@ def test_a_sequential_write_to_s3_is_summed_as_written_and_seaweedfs_agrees(requ
     assert client.cat_file(f"{root}/seq.bin") == data
     assert remote.stats.count("part") == 5 and not digests
     assert not [r for r in caplog.records if "BadDigest" in r.getMessage()]
+
+
+def test_a_file_never_grows_past_the_largest_file_size(remote: Remote, tmp_path: Path) -> None:
+    """`truncate -s 1T` by mistake is EFBIG at once, not 1 TiB of zeros uploaded at close (issue
+    37: its close sat in state D for 10 minutes sending holes); so are a write, an append and a
+    fallocate that would cross --max-file-size. Nothing is sent; the file stays as it was."""
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", max_file_size=1 << 20)
+    fh = fs.create("/f", os.O_WRONLY | os.O_CREAT)
+    fs.write(fh, b"x" * 1000, 0)
+    for attempt in (lambda: fs.truncate("/f", (1 << 20) + 1, fh=fh),
+                    lambda: fs.write(fh, b"y", 1 << 20),
+                    lambda: fs.fallocate(fh, 0, 0, (1 << 20) + 1)):
+        with pytest.raises(FsError) as err:
+            attempt()
+        assert err.value.errno == errno.EFBIG
+    fs.truncate("/f", 1 << 20, fh=fh)  # up to the limit is fine
+    fs.flush(fh)
+    fs.release(fh)
+    assert remote.stat("f").size == 1 << 20
+    with pytest.raises(FsError) as err:
+        fs.truncate("/f", 1 << 40)  # by path
+    assert err.value.errno == errno.EFBIG
+    fh = fs.open("/f", os.O_WRONLY | os.O_APPEND)
+    with pytest.raises(FsError) as err:
+        fs.write(fh, b"z", 0)  # an append past the limit
+    assert err.value.errno == errno.EFBIG
+    fs.release(fh)
+    assert remote.stat("f").size == 1 << 20
+    fs.close()
+
+
+@pytest.mark.parametrize("backend", ["s3"])
+def test_truncate_past_the_largest_file_size_is_efbig_through_the_mount(
+        request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> None:
+    """The shell's view of it: `truncate -s 1T` fails at once with 'File too large' and the
+    bucket gets the empty file truncate created (as on a disk), not a byte more."""
+    url, options, env = object_store(request, backend)
+    client, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    with subprocess_mount(url, tmp_path / "mnt", tmp_path / "cache", "--max-file-size", "1G", env=env):
+        started = time.monotonic()
+        out = subprocess.run(["truncate", "-s", "1T", str(tmp_path / "mnt" / "sparse")], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode != 0 and "File too large" in out.stderr
+        assert time.monotonic() - started < 10
+        (tmp_path / "mnt" / "ok").write_bytes(b"fine")
+    assert client.cat_file(f"{root}/sparse") == b"" and client.cat_file(f"{root}/ok") == b"fine"
