@@ -169,8 +169,10 @@ def _rename(fs: Filesystem) -> None:
     fs.rename("/d/f1", "/d/new")
 
 
-def change_during_a_listing(remote: Remote, tmp_path: Path, change: Callable[[Filesystem], None]) -> Filesystem:
-    """A background listing of d/ (holding f0, f1) sent before ``change`` and answered after it."""
+def change_during_a_listing(remote: Remote, tmp_path: Path, change: Callable[[Filesystem], None],
+                            meanwhile: Callable[[Filesystem], None] | None = None) -> Filesystem:
+    """A background listing of d/ (holding f0, f1) sent before ``change`` and answered after it
+    (and after ``meanwhile``, which runs once the change is made)."""
     put(remote, "d/f0")
     put(remote, "d/f1")
     fs = core(remote, tmp_path)
@@ -179,6 +181,8 @@ def change_during_a_listing(remote: Remote, tmp_path: Path, change: Callable[[Fi
     start_background_listing(fs, "d")
     assert blocked.started.wait(10)  # listed before the change, answered after it
     change(fs)
+    if meanwhile is not None:
+        meanwhile(fs)
     blocked.release()
     assert fs.listings is not None
     fs.listings.drain()
@@ -290,20 +294,17 @@ def test_a_readdir_that_joins_a_listing_overtaken_by_our_change_sees_the_change(
     """A readdir that waits for a background listing sent before this node's own change gets
     the listing with the change laid over it, not the answer as the remote gave it (found by a
     review: `rm d/f1; ls d` showed f1)."""
-    put(remote, "d/f0")
-    put(remote, "d/f1")
-    fs = core(remote, tmp_path)
-    fs.getattr("/d")
-    blocked = BlockedListing(remote, "d")
-    start_background_listing(fs, "d")
-    assert blocked.started.wait(10)
-    change(fs)
     result: list[list[str]] = []
-    reader = threading.Thread(target=lambda: result.append(sorted(c.name for c in fs.readdir("/d"))))
-    reader.start()
-    reader.join(0.2)
-    blocked.release()
-    reader.join(10)
+    readers: list[threading.Thread] = []
+
+    def readdir_waiting(fs: Filesystem) -> None:
+        reader = threading.Thread(target=lambda: result.append(sorted(c.name for c in fs.readdir("/d"))))
+        reader.start()
+        reader.join(0.2)  # it waits for the listing in flight
+        readers.append(reader)
+
+    change_during_a_listing(remote, tmp_path, change, readdir_waiting)
+    readers[0].join(10)
     expected = sorted(f"d/{os.path.basename(k)}" for k in remote.fs.ls(remote.full("d"), detail=False))
     assert result == [expected]
 
