@@ -1710,8 +1710,7 @@ class Filesystem:
             users.version, users.info = version, replace(users.info, name=key, version=version)
         handle.key, handle.orphan = key, True
         handle.info = replace(handle.info, name=key, version=version)
-        return handle.reader, ObjectRef(url=f"{self.remote.url}/{key}", key=key, version=version,
-                                        size=handle.info.size)
+        return handle.reader, self._ref(key, handle.info)
 
     @staticmethod
     def _move_readers(moves: list[tuple[ObjectReader | None, ObjectRef]]) -> None:
