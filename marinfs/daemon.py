@@ -117,7 +117,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
     limit_malloc_arenas()
     from marinfs.chunkcache import ChunkCache
-    from marinfs.fs import Filesystem
+    from marinfs.core import Filesystem
     from marinfs.metadata import MetadataCache
     from marinfs.reader import ChunkFetcher
     from marinfs.remote import Remote

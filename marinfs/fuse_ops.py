@@ -1,6 +1,6 @@
 """The FUSE adapter: the only importer of the binding (mfusepy, fusepy's API, on libfuse3).
 
-Each operation unpacks its arguments, calls :class:`marinfs.fs.Filesystem`, and packs the
+Each operation unpacks its arguments, calls :class:`marinfs.core.Filesystem`, and packs the
 result. One decorator maps every exception to an errno through the table in errors.py; the
 binding would otherwise answer EINVAL for anything that is not an OSError. Reads are the one
 op that does not return its result: the filesystem writes it into libfuse's reply buffer
@@ -34,7 +34,7 @@ pick_libfuse()
 import mfusepy as fuse  # noqa: E402
 
 from marinfs.errors import FsError, RemoteError, errno_for  # noqa: E402
-from marinfs.fs import Filesystem  # noqa: E402
+from marinfs.core import Filesystem, Opened  # noqa: E402
 from marinfs.objects import ObjectInfo  # noqa: E402
 from marinfs.threadnames import set_os_name  # noqa: E402
 
@@ -58,7 +58,7 @@ FI_BACKING_ID_OFFSET = 36
 
 
 class KernelBackings:
-    """fs.Backings through /dev/fuse: the session's descriptor and its backing ioctls."""
+    """core.handles.Backings through /dev/fuse: the session's descriptor and its backing ioctls."""
 
     def __init__(self, session_fd: int) -> None:
         self.session_fd = session_fd
@@ -261,28 +261,27 @@ class FuseAdapter(fuse.Operations):
     # -- files ---------------------------------------------------------------------------------
     @_errors
     def open(self, path: str, fi: Any) -> int:
-        fi.fh = self.fs.open(path, fi.flags)
-        fi.keep_cache = self.fs.keeps_kernel_cache(fi.fh)
-        self._how(fi)
-        if self.fs.kernel_attrs_stale(fi.fh):
-            # Before the reply, so before its first read: the kernel holds another version's size
-            # and would stop this one's reads there, or fill them with zeros up to it.
-            _invalidate_path(path)
+        self._reply(path, fi, self.fs.open(path, fi.flags))
         return 0
 
     @_errors
     def create(self, path: str, mode: int, fi: Any) -> int:
-        fi.fh = self.fs.create(path, fi.flags, mode)
-        self._how(fi)
+        self._reply(path, fi, self.fs.create(path, fi.flags, mode))
         return 0
 
-    def _how(self, fi: Any) -> None:
-        """How the kernel is to read the file just opened: around its page cache, and from which
-        backing file (passthrough)."""
-        fi.direct_io = self.fs.bypasses_kernel_cache(fi.fh)
-        backing_id = self.fs.passes_through(fi.fh)
-        if backing_id:
-            ctypes.c_int32.from_address(ctypes.addressof(fi) + FI_BACKING_ID_OFFSET).value = backing_id
+    @staticmethod
+    def _reply(path: str, fi: Any, opened: Opened) -> None:
+        """How the kernel is to read the file just opened: its page cache kept, read around it,
+        or a backing file read by the kernel itself (passthrough)."""
+        fi.fh = opened.fh
+        fi.keep_cache = opened.keep_cache
+        fi.direct_io = opened.direct_io
+        if opened.backing_id:
+            ctypes.c_int32.from_address(ctypes.addressof(fi) + FI_BACKING_ID_OFFSET).value = opened.backing_id
+        if opened.drop_attrs:
+            # Before the reply, so before its first read: the kernel holds another version's size
+            # and would stop this one's reads there, or fill them with zeros up to it.
+            _invalidate_path(path)
 
     @_errors
     def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:

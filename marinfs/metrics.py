@@ -18,7 +18,7 @@ _BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120)
 
 
 class Metrics:
-    def __init__(self, fs: Any) -> None:  # marinfs.fs.Filesystem
+    def __init__(self, fs: Any) -> None:  # marinfs.core.Filesystem
         self.registry = CollectorRegistry()
         self.op_seconds = Histogram("marinfs_fuse_op_seconds", "FUSE operation latency", ["op"],
                                     registry=self.registry, buckets=_BUCKETS)

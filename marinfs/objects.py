@@ -112,6 +112,19 @@ def gcs_match(expect: ObjectVersion | None) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Copied:
+    """A server-side copy made by a rename: ``dst`` holds ``src`` as its version ``new``.
+    ``old`` is the source's version the copy was pinned to (None: not pinned, so which of the
+    source's versions it copied is unknown); read handles of exactly that version may follow
+    their bytes to ``dst``."""
+
+    src: str
+    dst: str
+    old: ObjectVersion | None
+    new: ObjectVersion | None
+
+
+@dataclass(frozen=True)
 class ObjectRef:
     """One version of one object, as a handle pinned it at open: what reads fetch and what
     cached chunks are keyed by (with the URL, so two mounts never share an entry)."""

@@ -233,6 +233,28 @@ class StagedFile:
         if self.attrs is not None and self.attrs.mtime_ns is not None:
             self.set_attrs(replace(self.attrs, mtime_ns=None))
 
+    def retain(self) -> None:
+        """One more handle shares these bytes (under the mount's table lock, as ``let_go``)."""
+        self.refs += 1
+
+    def let_go(self) -> int:
+        """A handle closed: answers how many still share these bytes."""
+        self.refs -= 1
+        return self.refs
+
+    def commit_failed(self, exc: BaseException) -> None:
+        """A commit of the bytes as they are now failed with ``exc``."""
+        self.failures += 1
+        self.failed_changes = self.changes
+        self.last_error = exc
+
+    def rebase(self, version: ObjectVersion | None, attrs: PosixAttrs | None = None) -> None:
+        """The remote object is now ``version`` (our commit, a metadata update of ours, a rename
+        here), with ``attrs`` if given: the next commit replaces exactly that one."""
+        if attrs is not None:
+            self.attrs = attrs
+        self.base_version = version
+
     def set_attrs(self, attrs: PosixAttrs | None) -> None:
         """Attributes for the commit to carry; the journal says so too (a crash keeps them)."""
         with self.lock:

@@ -201,7 +201,7 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     tiers.check("mount FUSE (inprocess_mount)")
     from marinfs.chunkcache import ChunkCache
     from marinfs.config import MountConfig
-    from marinfs.fs import Filesystem
+    from marinfs.core import Filesystem
     from marinfs.fuse_ops import FuseAdapter, serve
     from marinfs.metadata import MetadataCache
     from marinfs.reader import ChunkFetcher

@@ -318,7 +318,7 @@ def test_a_file_cached_whole_is_read_by_the_kernel_itself(remote: Remote, tmp_pa
         assert core.fetcher.settle()
 
         def passed_through() -> bool:  # close(2) returns before the daemon sees the release
-            return read_in_child(path) == data and core.passthrough_opens > 0
+            return read_in_child(path) == data and core.kernel.passthrough_opens > 0
 
         eventually(passed_through)
         cache = core.fetcher.cache
@@ -353,8 +353,8 @@ def test_a_file_cached_whole_is_read_by_the_kernel_itself(remote: Remote, tmp_pa
             holder.kill()
             holder.wait()
         assert core.fetcher.settle()
-        opens = core.passthrough_opens
-        eventually(lambda: read_in_child(path) == new and core.passthrough_opens > opens)
+        opens = core.kernel.passthrough_opens
+        eventually(lambda: read_in_child(path) == new and core.kernel.passthrough_opens > opens)
         eventually(lambda: core.fetcher.cache.pinned() == 0)
 
 
@@ -391,8 +391,8 @@ def test_after_a_restart_a_file_cached_whole_is_passed_through_once_checked(remo
     with mount(remote, tmp_path) as core:
         page = subprocess.run(["dd", f"if={path}", "bs=4096", "skip=300", "count=1", "status=none"],
                               capture_output=True, check=True, timeout=120).stdout
-        assert page == data[300 * 4096:301 * 4096] and core.passthrough_opens == 0
-        eventually(lambda: read_in_child(path) == data and core.passthrough_opens > 0)
+        assert page == data[300 * 4096:301 * 4096] and core.kernel.passthrough_opens == 0
+        eventually(lambda: read_in_child(path) == data and core.kernel.passthrough_opens > 0)
         assert gets(core) == 0
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_storage_option
 from marinfs.errors import FsError, RemoteError, UsageError, errno_for
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.reader import ChunkFetcher
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
@@ -72,7 +72,7 @@ def close(fs: Filesystem, fh: int) -> None:
 
 
 def write_file(fs: Filesystem, path: str, data: bytes) -> None:
-    fh = fs.create(path, CREAT | os.O_TRUNC)
+    fh = fs.create(path, CREAT | os.O_TRUNC).fh
     fs.write(fh, data, 0)
     close(fs, fh)
 
@@ -373,7 +373,7 @@ def test_remote_counts_requests_and_versions(remote: Remote, tmp_path: Path) -> 
 
 # -- filesystem --------------------------------------------------------------------------------
 def test_fs_create_write_flush_commits(fs: Filesystem, remote: Remote) -> None:
-    fh = fs.create("/new.txt", CREAT)
+    fh = fs.create("/new.txt", CREAT).fh
     fs.write(fh, b"hello ", 0)
     fs.write(fh, b"world", 6)
     assert cat(remote, "new.txt") is None  # nothing reaches the remote before flush
@@ -386,12 +386,12 @@ def test_fs_create_write_flush_commits(fs: Filesystem, remote: Remote) -> None:
 def test_fs_open_errors(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f", b"x")
     with pytest.raises(FileNotFoundError):
-        fs.open("/missing", os.O_RDONLY)
+        fs.open("/missing", os.O_RDONLY).fh
     for path, flags, code in (("/f", CREAT | os.O_EXCL, errno.EEXIST), ("/nodir/f", CREAT, errno.ENOENT),
                               ("/" + "n" * 256, CREAT, errno.ENAMETOOLONG),
                               ("/" + "é" * 128, CREAT, errno.ENAMETOOLONG)):  # 256 bytes in UTF-8
         with raises_errno(code):
-            fs.create(path, flags)
+            fs.create(path, flags).fh
     with raises_errno(errno.ENAMETOOLONG):
         fs.getattr("/" + "n" * 256)
     assert staging_files(fs) == []
@@ -399,12 +399,12 @@ def test_fs_open_errors(fs: Filesystem, remote: Remote) -> None:
 
 def test_fs_append_and_rdwr_read_after_write(fs: Filesystem, remote: Remote) -> None:
     put(remote, "log", b"line1\n")
-    fh = fs.open("/log", W | os.O_APPEND)
+    fh = fs.open("/log", W | os.O_APPEND).fh
     fs.write(fh, b"line2\n", 0)  # O_APPEND ignores the offset
     close(fs, fh)
     assert cat(remote, "log") == b"line1\nline2\n"
     put(remote, "f", b"abcdef")
-    fh = fs.open("/f", RW)
+    fh = fs.open("/f", RW).fh
     fs.write(fh, b"XY", 2)
     assert fs.read(fh, 100, 0) == b"abXYef" and cat(remote, "f") == b"abcdef"
     close(fs, fh)
@@ -415,10 +415,10 @@ def test_fs_read_into_fills_a_view_from_the_object_or_the_staged_file(fs: Filesy
     """read_into (what FUSE replies are made of) fills the caller's buffer and no more: from the
     object, from this handle's staged file, from another handle's staged bytes; short at EOF."""
     put(remote, "f", b"abcdef")
-    reader = fs.open("/f", os.O_RDONLY)
+    reader = fs.open("/f", os.O_RDONLY).fh
     buf = bytearray(b"." * 8)
     assert fs.read_into(reader, memoryview(buf)[1:5], 1) == 4 and buf == b".bcde..."
-    writer = fs.open("/f", RW)
+    writer = fs.open("/f", RW).fh
     fs.write(writer, b"XY", 4)
     assert fs.read_into(writer, memoryview(buf)[2:6], 3) == 3 and buf == b".bdXY..."  # its own staged file
     assert fs.read_into(reader, memoryview(buf), 0) == 6 and buf == b"abcdXY.."  # another's staged bytes
@@ -431,7 +431,7 @@ def test_fs_truncate_by_path_and_handle(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f", b"abcdef")
     fs.truncate("/f", 2)
     assert cat(remote, "f") == b"ab" and fs.getattr("/f").size == 2
-    fh = fs.open("/f", W)
+    fh = fs.open("/f", W).fh
     fs.truncate("/f", 0, fh=fh)
     fs.write(fh, b"Z", 3)
     close(fs, fh)
@@ -442,8 +442,8 @@ def test_fs_truncate_by_path_and_handle(fs: Filesystem, remote: Remote) -> None:
 
 def test_fs_reader_sees_writers_staged_bytes(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f", b"old")
-    reader = fs.open("/f", os.O_RDONLY)
-    writer = fs.open("/f", W | os.O_TRUNC)
+    reader = fs.open("/f", os.O_RDONLY).fh
+    writer = fs.open("/f", W | os.O_TRUNC).fh
     fs.write(writer, b"new bytes", 0)
     assert fs.read(reader, 100, 0) == b"new bytes" and fs.getattr("/f").size == 9
     with raises_errno(errno.EBADF):
@@ -466,7 +466,7 @@ def test_fs_unlink_mkdir_rmdir(fs: Filesystem, remote: Remote) -> None:
     assert cat(remote, "d/f") is None
     with pytest.raises(FileNotFoundError):
         fs.getattr("/d/f")
-    fh = fs.create("/d/pending", CREAT)  # an uncommitted file also makes the directory non-empty
+    fh = fs.create("/d/pending", CREAT).fh  # an uncommitted file also makes the directory non-empty
     with raises_errno(errno.ENOTEMPTY):
         fs.rmdir("/d")
     fs.unlink("/d/pending")
@@ -486,7 +486,7 @@ def test_fs_rename_file(fs: Filesystem, remote: Remote) -> None:
     assert cat(remote, "b") == b"from a" and cat(remote, "a") is None and fs.getattr("/b").size == 6
     with pytest.raises(FileNotFoundError):
         fs.getattr("/a")
-    fh = fs.create("/draft", CREAT)  # a new file renamed while its writer is open
+    fh = fs.create("/draft", CREAT).fh  # a new file renamed while its writer is open
     fs.write(fh, b"part1 ", 0)
     fs.rename("/draft", "/final")
     fs.write(fh, b"part2", 6)
@@ -511,7 +511,7 @@ def test_fs_rename_directory_moves_every_object(fs: Filesystem, remote: Remote) 
 
 def test_fs_rename_existing_file_while_writer_open(fs: Filesystem, remote: Remote) -> None:
     put(remote, "a", b"hello")
-    fh = fs.open("/a", W)  # staged lazily: nothing downloaded yet
+    fh = fs.open("/a", W).fh  # staged lazily: nothing downloaded yet
     fs.rename("/a", "/b")
     fs.write(fh, b"J", 0)  # needs the old bytes: they are downloaded from the new name
     close(fs, fh)
@@ -520,7 +520,7 @@ def test_fs_rename_existing_file_while_writer_open(fs: Filesystem, remote: Remot
 
 def test_fs_rename_onto_file_open_for_writing(fs: Filesystem, remote: Remote) -> None:
     put(remote, "src", b"renamed content")
-    fh = fs.create("/dst", CREAT)
+    fh = fs.create("/dst", CREAT).fh
     fs.write(fh, b"old", 0)
     fs.flush(fh)
     fs.rename("/src", "/dst")
@@ -533,7 +533,7 @@ def test_fs_rename_onto_file_open_for_writing(fs: Filesystem, remote: Remote) ->
 def test_fs_readdir_includes_uncommitted_file(fs: Filesystem, remote: Remote) -> None:
     put(remote, "old", b"1")
     assert {i.name for i in fs.readdir("/")} == {"old"}  # also caches the listing
-    fh = fs.create("/new", CREAT)
+    fh = fs.create("/new", CREAT).fh
     fs.write(fh, b"abc", 0)
     listing = {i.name: i for i in fs.readdir("/")}
     assert set(listing) == {"old", "new"} and listing["new"].size == 3 and cat(remote, "new") is None
@@ -543,11 +543,11 @@ def test_fs_readdir_includes_uncommitted_file(fs: Filesystem, remote: Remote) ->
 def test_fs_read_only(remote: Remote, tmp_path: Path) -> None:
     put(remote, "f", b"data")
     fs = Filesystem(remote, staging_dir=tmp_path / "staging", read_only=True)
-    fh = fs.open("/f", os.O_RDONLY)
+    fh = fs.open("/f", os.O_RDONLY).fh
     assert fs.read(fh, 100, 0) == b"data"
     fs.release(fh)
-    for op in (lambda: fs.open("/f", W), lambda: fs.open("/f", os.O_RDONLY | os.O_TRUNC),
-               lambda: fs.create("/g", CREAT), lambda: fs.mkdir("/d"), lambda: fs.unlink("/f"),
+    for op in (lambda: fs.open("/f", W).fh, lambda: fs.open("/f", os.O_RDONLY | os.O_TRUNC).fh,
+               lambda: fs.create("/g", CREAT).fh, lambda: fs.mkdir("/d"), lambda: fs.unlink("/f"),
                lambda: fs.rename("/f", "/g"), lambda: fs.truncate("/f", 0), lambda: fs.access("/f", os.W_OK)):
         with raises_errno(errno.EROFS):
             op()
@@ -563,7 +563,7 @@ def test_fs_failed_upload_keeps_staged_bytes(fs: Filesystem, remote: Remote,
         raise OSError(errno.EIO, "injected upload failure")
 
     monkeypatch.setattr(remote, "upload", failing_upload)
-    fh = fs.create("/f", CREAT)
+    fh = fs.create("/f", CREAT).fh
     fs.write(fh, b"unsaved", 0)
     with raises_errno(errno.EIO):
         fs.flush(fh)
@@ -589,7 +589,7 @@ def test_fs_bytes_written_after_a_failed_flush_are_committed_at_release(
         return real_upload(local_path, key, expect)
 
     monkeypatch.setattr(remote, "upload", upload)
-    fh = fs.create("/f", CREAT)
+    fh = fs.create("/f", CREAT).fh
     fs.write(fh, b"first", 0)
     with raises_errno(errno.EIO):
         fs.flush(fh)
@@ -654,14 +654,14 @@ def test_fs_a_stat_in_flight_while_this_node_commits_does_not_hide_the_commit(
     stat.join(10)
     assert len(seen) == 1 and isinstance(seen[0], ObjectInfo) and seen[0].size == 11  # what is known now
     assert fs.getattr("/state.json").size == 11
-    fh = fs.open("/state.json", os.O_RDONLY)
+    fh = fs.open("/state.json", os.O_RDONLY).fh
     assert fs.read(fh, 100, 0) == b"version two"
     fs.release(fh)
 
 
 def test_fs_a_failed_read_does_not_pin_the_handle_to_a_version(fs: Filesystem, remote: Remote) -> None:
     put(remote, "a", b"old")
-    fh = fs.open("/a", os.O_RDONLY)
+    fh = fs.open("/a", os.O_RDONLY).fh
     real_fetch = fs.fetcher.fetch
 
     def failing(*args: object) -> bytes:
@@ -680,29 +680,35 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
     """The kernel has one page cache per file: while readers of one version use it, a reader of
     another version reads around it (direct I/O), and the cache is theirs until the last closes."""
     put(remote, "a", b"old")
-    h1 = fs.open("/a", os.O_RDONLY)
+    h1_opened = fs.open("/a", os.O_RDONLY)
+    h1 = h1_opened.fh
     assert fs.read(h1, 10, 0) == b"old"  # pinned (and in the fetcher's memory)
-    h1b = fs.open("/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h1) and fs.keeps_kernel_cache(h1b)  # one version: shared
+    h1b_opened = fs.open("/a", os.O_RDONLY)
+    h1b = h1b_opened.fh
+    assert not h1_opened.direct_io and h1b_opened.keep_cache  # one version: shared
     put(remote, "a", b"newer!")
     fs.metadata.forget("a")  # as after the TTL
-    h2 = fs.open("/a", os.O_RDONLY)
+    h2_opened = fs.open("/a", os.O_RDONLY)
+    h2 = h2_opened.fh
     # Around the page cache, and leaving the old readers' pages where they are.
-    assert fs.bypasses_kernel_cache(h2) and fs.keeps_kernel_cache(h2)
+    assert h2_opened.direct_io and h2_opened.keep_cache
     assert fs.read(h2, 10, 0) == b"newer!" and fs.read(h1, 10, 0) == b"old"
     fs.release(h1)
-    h3 = fs.open("/a", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(h3)  # h1b still reads the old version through it
+    h3_opened = fs.open("/a", os.O_RDONLY)
+    h3 = h3_opened.fh
+    assert h3_opened.direct_io  # h1b still reads the old version through it
     fs.release(h1b)
     fs.release(h3)
     put(remote, "a", b"third")
     fs.metadata.forget("a")
-    h4 = fs.open("/a", os.O_RDONLY)
+    h4_opened = fs.open("/a", os.O_RDONLY)
+    h4 = h4_opened.fh
     # The old readers are gone: the new version takes the page cache, dropping the old pages.
-    assert not fs.bypasses_kernel_cache(h4) and not fs.keeps_kernel_cache(h4)
-    h5 = fs.open("/a", os.O_RDONLY)
+    assert not h4_opened.direct_io and not h4_opened.keep_cache
+    h5_opened = fs.open("/a", os.O_RDONLY)
+    h5 = h5_opened.fh
     # Before either read: h4's open may not have dropped the old pages yet, so h5's does too.
-    assert not fs.bypasses_kernel_cache(h5) and not fs.keeps_kernel_cache(h5)
+    assert not h5_opened.direct_io and not h5_opened.keep_cache
     put(remote, "a", b"4th")  # before either read: "third" is gone
     fs.metadata.forget("a")
     # Neither served anything, but moving on to "4th" could mix versions in the page cache:
@@ -713,19 +719,21 @@ def test_fs_two_versions_open_at_once_never_share_the_kernel_page_cache(fs: File
         fs.read(h4, 10, 0)
     fs.release(h5)
     assert fs.read(h4, 10, 0) == b"4th"  # its open dropped the pages, and it reads alone
-    h6 = fs.open("/a", os.O_RDONLY)
-    assert fs.keeps_kernel_cache(h6) and not fs.bypasses_kernel_cache(h6)  # h4 moved the cache on
-    w = fs.open("/a", os.O_WRONLY)  # a writer on this node: as before, it is not counted
-    assert not fs.bypasses_kernel_cache(w)
+    h6_opened = fs.open("/a", os.O_RDONLY)
+    h6 = h6_opened.fh
+    assert h6_opened.keep_cache and not h6_opened.direct_io  # h4 moved the cache on
+    w_opened = fs.open("/a", os.O_WRONLY)
+    w = w_opened.fh  # a writer on this node: as before, it is not counted
+    assert not w_opened.direct_io
     for fh in (h2, h4, h6, w):
         fs.release(fh)
-    assert fs._page_users == {}
+    assert fs.kernel.page_users == {}
 
 
 def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs: Filesystem, remote: Remote) -> None:
     put(remote, "a", b"one")
-    h1 = fs.open("/a", os.O_RDONLY)  # no pages kept at this open
-    h2 = fs.open("/a", os.O_RDONLY)
+    h1 = fs.open("/a", os.O_RDONLY).fh  # no pages kept at this open
+    h2 = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h2, 10, 0) == b"one"  # h2 fills the page cache with "one"...
     fs.release(h2)  # ...and leaves
     put(remote, "a", b"two!")  # (another size: a local version's mtime may not have moved)
@@ -735,9 +743,9 @@ def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs
     fs.release(h1)
 
     put(remote, "b", b"one")
-    h3 = fs.open("/b", os.O_RDONLY)
+    h3 = fs.open("/b", os.O_RDONLY).fh
     put(remote, "b", b"two!")
-    real_lookup = fs.lookup
+    real_lookup = fs.namespace.lookup
     joined: list[int] = []
 
     def lookup(key: str) -> ObjectInfo:  # another reader opens while h3 looks the new version up
@@ -745,17 +753,17 @@ def test_fs_a_handle_moves_to_a_new_version_only_if_no_old_page_can_be_cached(fs
         if not joined:
             joined.append(0)
             # with a stat as stale as h3's was: it joins h3's readers of "one"
-            fs.metadata.put_stat(replace(info, version=fs._handle(h3).info.version))
-            joined[0] = fs.open("/b", os.O_RDONLY)
+            fs.metadata.put_stat(replace(info, version=fs.handles.get(h3).info.version))
+            joined[0] = fs.open("/b", os.O_RDONLY).fh
         return info
 
-    fs.lookup = lookup  # type: ignore[method-assign]
+    fs.namespace.lookup = lookup  # type: ignore[method-assign]
     with raises_errno(errno.ESTALE):
         fs.read(h3, 10, 0)
-    fs.lookup = real_lookup  # type: ignore[method-assign]
+    fs.namespace.lookup = real_lookup  # type: ignore[method-assign]
     fs.release(h3)
     fs.release(joined[0])
-    assert fs._page_users == {}
+    assert fs.kernel.page_users == {}
 
 
 def test_fs_the_kernel_is_told_the_size_of_the_version_its_page_cache_serves(fs: Filesystem, remote: Remote) -> None:
@@ -763,23 +771,24 @@ def test_fs_the_kernel_is_told_the_size_of_the_version_its_page_cache_serves(fs:
     read through it here, every stat answers that version; a handle of another one reads
     around the page cache, to its own end."""
     put(remote, "a", b"0123456789")
-    h1 = fs.open("/a", os.O_RDONLY)
+    h1 = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h1, 4, 0) == b"0123"
     put(remote, "a", b"short")
     fs.metadata.forget("a")  # as after the TTL
     assert fs.getattr("/a").size == 10 and fs.getattr_cached("a").size == 10  # (stat, readdirplus)
-    h2 = fs.open("/a", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(h2) and fs.read(h2, 10, 0) == b"short"
+    h2_opened = fs.open("/a", os.O_RDONLY)
+    h2 = h2_opened.fh
+    assert h2_opened.direct_io and fs.read(h2, 10, 0) == b"short"
     assert fs.fgetattr(h1).size == 10 and fs.fgetattr(h2).size == 10
     assert fs.read(h1, 10, 4) == b"456789"
     fs.release(h1)
     assert fs.getattr("/a").size == 5 and fs.fgetattr(h2).size == 5  # theirs once they are gone
     fs.release(h2)
 
-    h3 = fs.open("/a", os.O_RDONLY)
+    h3 = fs.open("/a", os.O_RDONLY).fh
     put(remote, "a", b"a new and longer one")
     fs.metadata.forget("a")
-    w = fs.open("/a", os.O_WRONLY | os.O_APPEND)  # a writer here: its readers read what it writes
+    w = fs.open("/a", os.O_WRONLY | os.O_APPEND).fh  # a writer here: its readers read what it writes
     assert fs.getattr("/a").size == len(b"a new and longer one")
     fs.release(w)
     fs.release(h3)
@@ -790,9 +799,9 @@ def test_fs_what_the_kernel_is_told_follows_this_nodes_own_changes(fs: Filesyste
     truncate made here show at once, to stat and fstat alike; a file this node wrote is not
     taken for another version at each open (the time it shows is the writer's)."""
     put(remote, "a", b"0123456789")
-    r = fs.open("/a", os.O_RDONLY)
+    r = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(r, 4, 0) == b"0123"
-    w = fs.open("/a", os.O_WRONLY | os.O_APPEND)
+    w = fs.open("/a", os.O_WRONLY | os.O_APPEND).fh
     fs.write(w, b"more bytes", 10)
     assert fs.fgetattr(r).size == fs.getattr("/a").size == 20
     close(fs, w)
@@ -805,8 +814,9 @@ def test_fs_what_the_kernel_is_told_follows_this_nodes_own_changes(fs: Filesyste
     write_file(fs, "/b", b"x" * 100)
     assert fs.getattr("/b").size == 100
     for _ in range(3):
-        h = fs.open("/b", os.O_RDONLY)
-        assert not fs.kernel_attrs_stale(h)
+        h_opened = fs.open("/b", os.O_RDONLY)
+        h = h_opened.fh
+        assert not h_opened.drop_attrs
         assert _shown(fs.fgetattr(h)) == _shown(fs.getattr("/b"))
         fs.release(h)
 
@@ -826,7 +836,7 @@ def test_fs_the_time_told_is_the_open_versions_even_where_times_are_stored(fs: F
     fs.set_attributes("/a", mtime_ns=1_000_000_000_000_000_000)
     fs.metadata.forget("a")
     before = _shown(fs.getattr("/a"))
-    h = fs.open("/a", os.O_RDONLY)
+    h = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h, 4, 0) == b"0123"
     put(remote, "a", b"short")
     fs.metadata.forget("a")
@@ -840,17 +850,19 @@ def test_fs_the_time_told_is_the_open_versions_even_where_times_are_stored(fs: F
 def test_fs_an_open_makes_the_kernel_drop_another_versions_size_before_it_reads(fs: Filesystem, remote: Remote) -> None:
     put(remote, "a", b"0123456789")
     assert fs.getattr("/a").size == 10  # what the kernel now holds
-    h1 = fs.open("/a", os.O_RDONLY)
-    assert not fs.kernel_attrs_stale(h1)
+    h1_opened = fs.open("/a", os.O_RDONLY)
+    h1 = h1_opened.fh
+    assert not h1_opened.drop_attrs
     fs.release(h1)
     put(remote, "a", b"a longer version")
     fs.metadata.forget("a")  # the daemon's stat renewed before the kernel's (their timeouts run apart)
-    h2 = fs.open("/a", os.O_RDONLY)
-    assert fs.kernel_attrs_stale(h2)  # it would stop this handle's reads at 10 bytes
-    assert not fs.kernel_attrs_stale(h2)  # asked once
+    h2_opened = fs.open("/a", os.O_RDONLY)
+    h2 = h2_opened.fh
+    assert h2_opened.drop_attrs  # it would stop this handle's reads at 10 bytes
     assert fs.fgetattr(h2).size == 16  # what it then asks for
-    h3 = fs.open("/a", os.O_RDONLY)
-    assert not fs.kernel_attrs_stale(h3)
+    h3_opened = fs.open("/a", os.O_RDONLY)
+    h3 = h3_opened.fh
+    assert not h3_opened.drop_attrs
     for fh in (h2, h3):
         fs.release(fh)
 
@@ -865,11 +877,13 @@ def test_fs_after_two_different_answers_an_open_makes_the_kernel_ask_again(fs: F
     put(remote, "a", b"a longer version")
     fs.metadata.forget("a")
     assert fs.getattr("/a").size == 16  # (the kernel may have taken the 10 sent after this)
-    h = fs.open("/a", os.O_RDONLY)
-    assert fs.kernel_attrs_stale(h)
+    h_opened = fs.open("/a", os.O_RDONLY)
+    h = h_opened.fh
+    assert h_opened.drop_attrs
     assert fs.fgetattr(h).size == 16  # asked again: one answer since, that one held
-    h2 = fs.open("/a", os.O_RDONLY)
-    assert not fs.kernel_attrs_stale(h2)
+    h2_opened = fs.open("/a", os.O_RDONLY)
+    h2 = h2_opened.fh
+    assert not h2_opened.drop_attrs
     for fh in (h, h2):
         fs.release(fh)
 
@@ -877,13 +891,13 @@ def test_fs_after_two_different_answers_an_open_makes_the_kernel_ask_again(fs: F
 def test_fs_a_handle_moves_on_only_to_a_version_no_longer_than_the_one_it_opened(fs: Filesystem,
                                                                                   remote: Remote) -> None:
     put(remote, "a", b"one")
-    h1 = fs.open("/a", os.O_RDONLY)
+    h1 = fs.open("/a", os.O_RDONLY).fh
     put(remote, "a", b"three")  # longer: the kernel holds 3 bytes as its size and stops reads there
     with raises_errno(errno.ESTALE):
         fs.read(h1, 10, 0)
     fs.release(h1)
     put(remote, "b", b"one")
-    h2 = fs.open("/b", os.O_RDONLY)
+    h2 = fs.open("/b", os.O_RDONLY).fh
     put(remote, "b", b"2")  # shorter: the kernel takes the end of its first read as the size
     assert fs.read(h2, 10, 0) == b"2"
     fs.release(h2)
@@ -891,14 +905,15 @@ def test_fs_a_handle_moves_on_only_to_a_version_no_longer_than_the_one_it_opened
 
 def test_fs_readers_opened_beside_a_writer_are_counted(fs: Filesystem, remote: Remote) -> None:
     put(remote, "a", b"one")
-    w = fs.open("/a", os.O_RDWR)
-    r = fs.open("/a", os.O_RDONLY)
+    w = fs.open("/a", os.O_RDWR).fh
+    r = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(r, 10, 0) == b"one"
     fs.release(w)  # nothing written: nothing committed
     put(remote, "a", b"two!")
     fs.metadata.forget("a")
-    r2 = fs.open("/a", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(r2)  # r still reads "one" through the page cache
+    r2_opened = fs.open("/a", os.O_RDONLY)
+    r2 = r2_opened.fh
+    assert r2_opened.direct_io  # r still reads "one" through the page cache
     fs.release(r)
     fs.release(r2)
 
@@ -907,75 +922,83 @@ def test_fs_a_name_unlinked_or_renamed_here_is_a_new_inode_for_its_next_readers(
     """libfuse gives the next file of an unlinked name another inode, and moves a renamed
     file's inode (its page cache) to the new name."""
     put(remote, "d/a", b"old")
-    h1 = fs.open("/d/a", os.O_RDONLY)
+    h1 = fs.open("/d/a", os.O_RDONLY).fh
     fs.unlink("/d/a")
     write_file(fs, "/d/a", b"newer!")
-    h2 = fs.open("/d/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h2)  # another inode than h1's
+    h2_opened = fs.open("/d/a", os.O_RDONLY)
+    h2 = h2_opened.fh
+    assert not h2_opened.direct_io  # another inode than h1's
     assert fs.read(h2, 10, 0) == b"newer!"
     fs.rename("/d", "/e")
     fs.mkdir("/d")
     write_file(fs, "/d/a", b"third")
-    h3 = fs.open("/d/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h3)  # d/a is a new inode again
+    h3_opened = fs.open("/d/a", os.O_RDONLY)
+    h3 = h3_opened.fh
+    assert not h3_opened.direct_io  # d/a is a new inode again
     # h2's inode (its page cache) is e/a's now; e/a is a copy of whatever d/a held when it was
     # copied, which may not be what h2 read: a new open reads around it while h2 is open...
-    fs.release_grace = 0.0
-    e1 = fs.open("/e/a", os.O_RDONLY)
-    same = fs._handle(e1).info.version == fs._handle(h2).info.version  # a local rename keeps it
-    assert fs.bypasses_kernel_cache(e1) != same
+    fs.kernel.release_grace = 0.0
+    e1_opened = fs.open("/e/a", os.O_RDONLY)
+    e1 = e1_opened.fh
+    same = fs.handles.get(e1).info.version == fs.handles.get(h2).info.version  # a local rename keeps it
+    assert e1_opened.direct_io != same
     fs.release(h2)
-    e2 = fs.open("/e/a", os.O_RDONLY)  # ...and takes the page cache once h2 is gone
-    assert not fs.bypasses_kernel_cache(e2)
+    e2_opened = fs.open("/e/a", os.O_RDONLY)
+    e2 = e2_opened.fh  # ...and takes the page cache once h2 is gone
+    assert not e2_opened.direct_io
     for fh in (h1, h3, e1, e2):
         fs.release(fh)
-    h4 = fs.open("/d/a", os.O_RDONLY)  # the released old handles did not count against h4's
-    h5 = fs.open("/d/a", os.O_RDONLY)
-    assert not fs.bypasses_kernel_cache(h4) and not fs.bypasses_kernel_cache(h5)
+    h4_opened = fs.open("/d/a", os.O_RDONLY)
+    h4 = h4_opened.fh  # the released old handles did not count against h4's
+    h5_opened = fs.open("/d/a", os.O_RDONLY)
+    h5 = h5_opened.fh
+    assert not h4_opened.direct_io and not h5_opened.direct_io
     for fh in (h4, h5):
         fs.release(fh)
-    assert fs._page_users == {}
+    assert fs.kernel.page_users == {}
 
 
 def test_fs_one_handle_never_answers_two_versions_even_from_concurrent_reads(remote: Remote, tmp_path: Path) -> None:
     fs = Filesystem(remote, staging_dir=tmp_path / "staging", max_readahead_chunks=0,  # chunk 1: never fetched
                     fetcher=ChunkFetcher(remote.read_range, None, chunk_size=64 * KiB))
-    fs.release_grace = 0.0
+    fs.kernel.release_grace = 0.0
     put(remote, "a", b"0" * (128 * KiB))
-    h0 = fs.open("/a", os.O_RDONLY)
+    h0 = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h0, 1, 0) == b"0"  # readers of "0"s hold the page cache
     put(remote, "a", b"1" * (128 * KiB + 1))
     fs.metadata.forget("a")
-    h = fs.open("/a", os.O_RDONLY)
-    other = fs.open("/a", os.O_RDONLY)
-    assert fs.bypasses_kernel_cache(h) and fs.read(other, 1, 0) == b"1"  # chunk 0 of "1"s in memory
+    h_opened = fs.open("/a", os.O_RDONLY)
+    h = h_opened.fh
+    other = fs.open("/a", os.O_RDONLY).fh
+    assert h_opened.direct_io and fs.read(other, 1, 0) == b"1"  # chunk 0 of "1"s in memory
     put(remote, "a", b"2" * (128 * KiB + 2))
     fs.metadata.forget("a")
-    real_lookup, inner = fs.lookup, []
+    real_lookup, inner = fs.namespace.lookup, []
 
     def lookup(key: str) -> ObjectInfo:  # h's first read looks up the new version: another read of h meanwhile
         if not inner:
             inner.append(fs.read(h, 4, 0))
         return real_lookup(key)
 
-    fs.lookup = lookup  # type: ignore[method-assign]
+    fs.namespace.lookup = lookup  # type: ignore[method-assign]
     with raises_errno(errno.ESTALE):
         fs.read(h, 4, 100 * KiB)  # chunk 1 of "1"s is gone: it may not move on, as h served "1"s
-    fs.lookup = real_lookup  # type: ignore[method-assign]
+    fs.namespace.lookup = real_lookup  # type: ignore[method-assign]
     assert inner == [b"1111"]
     for fh in (h0, h, other):
         fs.release(fh)
 
 
 def test_fs_a_handle_whose_name_was_unlinked_here_never_reads_the_names_next_file(fs: Filesystem, remote: Remote) -> None:
-    fs.release_grace = 0.0
+    fs.kernel.release_grace = 0.0
     put(remote, "a", b"first file")
-    h0 = fs.open("/a", os.O_RDONLY)
+    h0 = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h0, 1, 0) == b"f"
     put(remote, "a", b"old file")
     fs.metadata.forget("a")
-    direct = fs.open("/a", os.O_RDONLY)  # reads around h0's page cache; served nothing yet
-    assert fs.bypasses_kernel_cache(direct)
+    direct_opened = fs.open("/a", os.O_RDONLY)
+    direct = direct_opened.fh  # reads around h0's page cache; served nothing yet
+    assert direct_opened.direct_io
     fs.unlink("/a")
     write_file(fs, "/a", b"another file")
     assert fs.read(h0, 20, 2) == b"rst file"  # pinned: its version, from memory
@@ -989,16 +1012,17 @@ def test_fs_an_open_of_a_new_version_waits_a_moment_for_a_closing_old_reader(fs:
     """close(2) returns before the daemon has the release: a reload that closes the old file and
     opens the new one at once still gets the page cache (a shared map)."""
     put(remote, "a", b"old")
-    h1 = fs.open("/a", os.O_RDONLY)
+    h1 = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h1, 3, 0) == b"old"
     put(remote, "a", b"newer")
     fs.metadata.forget("a")
-    fs.release_grace = 5.0
+    fs.kernel.release_grace = 5.0
     late = threading.Timer(0.05, fs.release, (h1,))
     late.start()
-    h2 = fs.open("/a", os.O_RDONLY)
+    h2_opened = fs.open("/a", os.O_RDONLY)
+    h2 = h2_opened.fh
     late.join()
-    assert not fs.bypasses_kernel_cache(h2) and fs.read(h2, 5, 0) == b"newer"
+    assert not h2_opened.direct_io and fs.read(h2, 5, 0) == b"newer"
     fs.release(h2)
 
 
@@ -1012,7 +1036,7 @@ def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path)
     fs = Filesystem(remote, staging_dir=tmp_path / "staging",
                     fetcher=ChunkFetcher(remote.read_range, cache, chunk_size=1 << 20))
     put(remote, "f", b"x" * 3000)
-    fh = fs.open("/f", os.O_RDONLY)
+    fh = fs.open("/f", os.O_RDONLY).fh
     assert fs.read(fh, 4096, 0) == b"x" * 3000
     fs.release(fh)
     assert fs.fetcher.settle()  # the chunk is counted as it is written to disk, by its own thread
@@ -1079,7 +1103,7 @@ def whole_in_cache(remote: Remote, tmp_path: Path, data: bytes,
     once through it, its chunks on disk."""
     put(remote, "m", data)
     fs = passthrough_fs(remote, tmp_path, backings or FakeBackings())
-    fh = fs.open("/m", os.O_RDONLY)
+    fh = fs.open("/m", os.O_RDONLY).fh
     assert fs.read(fh, len(data), 0) == data
     fs.release(fh)
     assert fs.fetcher.settle()
@@ -1097,39 +1121,45 @@ def test_fs_a_version_cached_whole_is_passed_through_to_the_kernel(remote: Remot
     put(remote, "m", data)
     backings = FakeBackings()
     fs = passthrough_fs(remote, tmp_path, backings)
-    cold = fs.open("/m", os.O_RDONLY)
-    assert not fs.passes_through(cold)  # nothing cached yet: read through the daemon
+    cold_opened = fs.open("/m", os.O_RDONLY)
+    cold = cold_opened.fh
+    assert not cold_opened.backing_id  # nothing cached yet: read through the daemon
     assert fs.read(cold, len(data) + 1, 0) == data
     assert fs.fetcher.settle()
-    a = fs.open("/m", os.O_RDONLY)  # cold is still open, with the page cache: so does a
-    assert not fs.passes_through(a)
+    a_opened = fs.open("/m", os.O_RDONLY)
+    a = a_opened.fh  # cold is still open, with the page cache: so does a
+    assert not a_opened.backing_id
     fs.release(cold)
     fs.release(a)
-    a, b = fs.open("/m", os.O_RDONLY), fs.open("/m", os.O_RDONLY)
-    backing_id = fs.passes_through(a)
-    assert backing_id > 0 and fs.passes_through(b) == backing_id
+    a_opened, b_opened = fs.open("/m", os.O_RDONLY), fs.open("/m", os.O_RDONLY)
+    a, b = a_opened.fh, b_opened.fh
+    backing_id = a_opened.backing_id
+    assert backing_id > 0 and b_opened.backing_id == backing_id
     assert backings.live == {backing_id: data}  # the file registered is the object
-    assert not fs.bypasses_kernel_cache(a) and fs.fetcher.cache.pinned() == 1
+    assert not a_opened.direct_io and fs.fetcher.cache.pinned() == 1
     put(remote, "m", data + b"more")  # another node's new version
     fs.metadata.forget("m")
-    n = fs.open("/m", os.O_RDONLY)  # (after the grace for a's and b's release)
-    assert fs.bypasses_kernel_cache(n) and fs.passes_through(n) == backing_id
+    n_opened = fs.open("/m", os.O_RDONLY)
+    n = n_opened.fh  # (after the grace for a's and b's release)
+    assert n_opened.direct_io and n_opened.backing_id == backing_id
     assert fs.read(n, len(data) + 10, 0) == data + b"more"  # through the daemon: the new version
     fs.release(a)
     fs.release(b)
     assert backing_id in backings.live  # n still carries it: the kernel keeps it for the inode
-    c = fs.open("/m", os.O_RDONLY)  # so a new open carries it too, and reads the new version
-    assert fs.bypasses_kernel_cache(c) and fs.passes_through(c) == backing_id
+    c_opened = fs.open("/m", os.O_RDONLY)
+    c = c_opened.fh  # so a new open carries it too, and reads the new version
+    assert c_opened.direct_io and c_opened.backing_id == backing_id
     fs.release(c)
     fs.release(n)
     assert backings.live == {} and fs.fetcher.cache.pinned() == 0
     assert fs.fetcher.settle()
-    d = fs.open("/m", os.O_RDONLY)  # nothing carries the old one: the new version, cached whole by now
-    assert fs.passes_through(d) not in (0, backing_id) and not fs.bypasses_kernel_cache(d)
-    assert backings.live == {fs.passes_through(d): data + b"more"}
+    d_opened = fs.open("/m", os.O_RDONLY)
+    d = d_opened.fh  # nothing carries the old one: the new version, cached whole by now
+    assert d_opened.backing_id not in (0, backing_id) and not d_opened.direct_io
+    assert backings.live == {d_opened.backing_id: data + b"more"}
     fs.release(d)
     assert fs.stats()["passthrough"] == {"on": True, "opens": 3, "files": 0}
-    assert fs._page_users == {}
+    assert fs.kernel.page_users == {}
     fs.close()
 
 
@@ -1142,8 +1172,9 @@ def test_fs_after_a_restart_a_version_cached_whole_passes_through_once_checked(r
     whole_in_cache(remote, tmp_path, data).close()
     backings = FakeBackings()
     fs = passthrough_fs(remote, tmp_path, backings)
-    fh = fs.open("/m", os.O_RDONLY)
-    assert not fs.passes_through(fh)
+    fh_opened = fs.open("/m", os.O_RDONLY)
+    fh = fh_opened.fh
+    assert not fh_opened.backing_id
     assert fs.read(fh, 100, 0) == data[:100]  # a partial read: it alone would never qualify
     fs.release(fh)
     deadline = time.monotonic() + 10
@@ -1151,8 +1182,9 @@ def test_fs_after_a_restart_a_version_cached_whole_passes_through_once_checked(r
         time.sleep(0.01)
     assert not fs.fetcher.cache.verifying(), "the cache's check did not end within 10 s"
     remote.stats.reset()
-    fh = fs.open("/m", os.O_RDONLY)
-    assert fs.passes_through(fh) and backings.live == {fs.passes_through(fh): data}
+    fh_opened = fs.open("/m", os.O_RDONLY)
+    fh = fh_opened.fh
+    assert fh_opened.backing_id and backings.live == {fh_opened.backing_id: data}
     fs.release(fh)
     assert remote.stats.snapshot()["requests"].get("get", 0) == 0
     fs.close()
@@ -1161,8 +1193,9 @@ def test_fs_after_a_restart_a_version_cached_whole_passes_through_once_checked(r
 def test_fs_a_kernel_that_refuses_backing_files_leaves_reads_to_the_daemon(remote: Remote, tmp_path: Path) -> None:
     data = os.urandom(100 << 10)
     fs = whole_in_cache(remote, tmp_path, data, FakeBackings(refuse=True))
-    fh = fs.open("/m", os.O_RDONLY)
-    assert not fs.passes_through(fh) and not fs.bypasses_kernel_cache(fh)
+    fh_opened = fs.open("/m", os.O_RDONLY)
+    fh = fh_opened.fh
+    assert not fh_opened.backing_id and not fh_opened.direct_io
     assert fs.read(fh, len(data), 0) == data
     fs.release(fh)
     assert fs.backings is None and fs.fetcher.cache.pinned() == 0  # asked once, never again
@@ -1176,18 +1209,20 @@ def test_fs_no_writer_opens_beside_passthrough_readers(remote: Remote, tmp_path:
     no backing is made while it is open. Found in review."""
     data = os.urandom(100 << 10)
     fs = whole_in_cache(remote, tmp_path, data)
-    r = fs.open("/m", os.O_RDONLY)
-    assert fs.passes_through(r)
+    r_opened = fs.open("/m", os.O_RDONLY)
+    r = r_opened.fh
+    assert r_opened.backing_id
     for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
         with raises_errno(errno.ETXTBSY):
-            fs.open("/m", flags)
+            fs.open("/m", flags).fh
     with raises_errno(errno.ETXTBSY):
-        fs.create("/m", os.O_WRONLY | os.O_CREAT)
-    assert cat(remote, "m") == data and fs._staged == {}  # the refused O_TRUNC truncated nothing
+        fs.create("/m", os.O_WRONLY | os.O_CREAT).fh
+    assert cat(remote, "m") == data and fs.writes.staged == {}  # the refused O_TRUNC truncated nothing
     fs.release(r)
-    w = fs.open("/m", os.O_WRONLY | os.O_TRUNC)
-    r2 = fs.open("/m", os.O_RDONLY)  # beside a writer: through the daemon, no backing
-    assert not fs.passes_through(r2)
+    w = fs.open("/m", os.O_WRONLY | os.O_TRUNC).fh
+    r2_opened = fs.open("/m", os.O_RDONLY)
+    r2 = r2_opened.fh  # beside a writer: through the daemon, no backing
+    assert not r2_opened.backing_id
     fs.write(w, b"new", 0)
     close(fs, w)
     fs.release(r2)
@@ -1203,19 +1238,22 @@ def test_fs_no_backing_while_a_reader_of_another_version_is_open(remote: Remote,
     v1, v2 = os.urandom(200 << 10), os.urandom(150 << 10)
     put(remote, "m", v1)
     fs = passthrough_fs(remote, tmp_path, FakeBackings())
-    a = fs.open("/m", os.O_RDONLY)  # v1, not cached: the page cache
+    a = fs.open("/m", os.O_RDONLY).fh  # v1, not cached: the page cache
     put(remote, "m", v2)
     fs.metadata.forget("m")
-    b = fs.open("/m", os.O_RDONLY)  # v2 beside it: direct, in no group
-    assert fs.bypasses_kernel_cache(b) and not fs.passes_through(b)
+    b_opened = fs.open("/m", os.O_RDONLY)
+    b = b_opened.fh  # v2 beside it: direct, in no group
+    assert b_opened.direct_io and not b_opened.backing_id
     assert fs.read(b, len(v2), 0) == v2 and fs.fetcher.settle()  # v2 is cached whole now
     fs.release(a)
-    c = fs.open("/m", os.O_RDONLY)
-    assert not fs.passes_through(c) and fs.read(c, len(v2), 0) == v2
+    c_opened = fs.open("/m", os.O_RDONLY)
+    c = c_opened.fh
+    assert not c_opened.backing_id and fs.read(c, len(v2), 0) == v2
     fs.release(b)
     fs.release(c)
-    d = fs.open("/m", os.O_RDONLY)  # nothing else open: passed through
-    assert fs.passes_through(d)
+    d_opened = fs.open("/m", os.O_RDONLY)
+    d = d_opened.fh  # nothing else open: passed through
+    assert d_opened.backing_id
     fs.release(d)
     assert fs.fetcher.cache.pinned() == 0
     fs.close()
@@ -1227,13 +1265,16 @@ def test_fs_o_direct_opens_read_through_the_daemon_beside_passthrough(remote: Re
     O_DIRECT open makes no backing, and beside one carries it around it, through the daemon."""
     data = os.urandom(100 << 10)
     fs = whole_in_cache(remote, tmp_path, data)
-    d = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
-    assert not fs.passes_through(d) and fs.fetcher.cache.pinned() == 0
+    d_opened = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
+    d = d_opened.fh
+    assert not d_opened.backing_id and fs.fetcher.cache.pinned() == 0
     fs.release(d)
-    r = fs.open("/m", os.O_RDONLY)
-    d = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
-    assert fs.passes_through(r) and fs.passes_through(d) == fs.passes_through(r)
-    assert fs.bypasses_kernel_cache(d) and not fs.bypasses_kernel_cache(r)
+    r_opened = fs.open("/m", os.O_RDONLY)
+    r = r_opened.fh
+    d_opened = fs.open("/m", os.O_RDONLY | os.O_DIRECT)
+    d = d_opened.fh
+    assert r_opened.backing_id and d_opened.backing_id == r_opened.backing_id
+    assert d_opened.direct_io and not r_opened.direct_io
     assert fs.read(d, 7777, 3) == data[3:7780]
     assert fs.stats()["passthrough"]["opens"] == 1  # d only carries it
     fs.release(d)
@@ -1246,10 +1287,10 @@ def test_fs_a_reader_whose_name_went_never_reads_the_next_files_pending_writes(f
     """A reader of a name unlinked (or renamed away) here reads its own version; another file
     written under that name since, not committed yet, is not its file (it read those writes)."""
     put(remote, "a", b"old bytes")
-    h = fs.open("/a", os.O_RDONLY)
+    h = fs.open("/a", os.O_RDONLY).fh
     assert fs.read(h, 20, 0) == b"old bytes"
     fs.unlink("/a")
-    w = fs.create("/a", CREAT | os.O_TRUNC)
+    w = fs.create("/a", CREAT | os.O_TRUNC).fh
     fs.write(w, b"NEW", 0)
     assert fs.read(h, 20, 0) == b"old bytes"
     close(fs, w)
@@ -1263,7 +1304,7 @@ def test_fs_a_rename_that_fails_midway_moves_no_reader(fs: Filesystem, remote: R
     if remote.renames_in_place:
         pytest.skip("rename(2) does not fail halfway")
     put(remote, "a", b"bytes")
-    h = fs.open("/a", os.O_RDONLY)
+    h = fs.open("/a", os.O_RDONLY).fh
 
     def refused(*args: Any, **kwargs: Any) -> None:
         raise PermissionError(errno.EACCES, "refused")
@@ -1271,8 +1312,8 @@ def test_fs_a_rename_that_fails_midway_moves_no_reader(fs: Filesystem, remote: R
     monkeypatch.setattr(remote.fs, "rm_file", refused)
     with pytest.raises(OSError):
         fs.rename("/a", "/b")
-    assert fs._handle(h).key == "a" and not fs._handle(h).orphan
+    assert fs.handles.get(h).key == "a" and not fs.handles.get(h).orphan
     monkeypatch.undo()
     fs.rename("/a", "/b")
-    assert fs._handle(h).key == "b" and fs.read(h, 10, 0) == b"bytes"
+    assert fs.handles.get(h).key == "b" and fs.read(h, 10, 0) == b"bytes"
     fs.release(h)

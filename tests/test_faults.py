@@ -69,7 +69,7 @@ def journals(cache: Path) -> list[Path]:
 class Faulty:
     mnt: Path
     cache: Path
-    core: Any  # marinfs.fs.Filesystem serving the mount
+    core: Any  # marinfs.core.Filesystem serving the mount
     plan: FaultPlan
     client: Any  # the memory filesystem itself, fault-free: what the store really holds
     root: str

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from marinfs.errors import RemoteError
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import ObjectInfo, Remote
 
@@ -28,7 +28,7 @@ def put(remote: Remote, key: str, data: bytes = b"x") -> None:
 
 
 def write(fs: Filesystem, path: str, data: bytes) -> None:
-    fh = fs.create(path, os.O_WRONLY | os.O_CREAT)
+    fh = fs.create(path, os.O_WRONLY | os.O_CREAT).fh
     fs.write(fh, data, 0)
     fs.flush(fh)
     fs.release(fh)
@@ -268,13 +268,13 @@ def test_a_listing_that_answers_a_writers_lookups_is_listed_again_before_it_expi
     fs.readdir("/d")
     remote.stats.reset()
     misses: list[str] = []
-    ask = fs._ask_stat
+    ask = fs.namespace.ask_stat
 
     def counting(key: str) -> tuple[ObjectInfo | None, bool]:
         misses.append(key)  # a lookup the caches did not answer
         return ask(key)
 
-    fs._ask_stat = counting  # type: ignore[method-assign]
+    fs.namespace.ask_stat = counting  # type: ignore[method-assign]
     for step in range(12):  # 12 s of creates, 0.5 s apart: the listing would expire twice
         now[0] += 0.5
         with pytest.raises(FileNotFoundError):
@@ -324,7 +324,7 @@ def test_a_rename_of_a_file_changed_behind_this_node_shows_the_copy_as_it_is(
     remote.fs.pipe_file(remote.full("f"), b"b" * 200)  # another node, within our stat's TTL
     fs.rename("/f", "/g")
     assert fs.getattr("/g").size == 200
-    fh = fs.open("/g", os.O_RDONLY)
+    fh = fs.open("/g", os.O_RDONLY).fh
     try:
         assert fs.read(fh, 1000, 0) == b"b" * 200
     finally:

@@ -9,7 +9,7 @@ in separate steps), so close-to-commit and several handles on one file are exerc
 unmount + remount over the same cache directory and, on daemons in their own process, SIGKILL
 with files open followed by a new daemon (recovery).
 
-The rules call a driver, so the same machine also runs on ``marinfs.fs.Filesystem`` without
+The rules call a driver, so the same machine also runs on ``marinfs.core.Filesystem`` without
 FUSE (``FsDriver``: the calls FuseAdapter makes, plus what the kernel answers before a call
 reaches FUSE), on memory and local, in the core tier: many more steps in the same time, with a
 crash as an abandoned Filesystem whose journals the next one replays.
@@ -297,7 +297,7 @@ class CoreHandle:
 
 
 class FsDriver(Driver):
-    """marinfs.fs.Filesystem called as fuse_ops.FuseAdapter calls it, plus what the kernel does
+    """marinfs.core.Filesystem called as fuse_ops.FuseAdapter calls it, plus what the kernel does
     before a call reaches FUSE: the lookup of every path component (ENOENT, ENOTDIR), the
     access mode of a descriptor (EBADF, EINVAL), O_EXCL and directories at open, flush then
     release at close, and zero-length reads and writes answered without a request."""
@@ -333,14 +333,14 @@ class FsDriver(Driver):
         except FileNotFoundError:
             if not flags & os.O_CREAT:
                 raise
-            return CoreHandle(self.fs.create("/" + path, flags, 0o644 & ~UMASK), flags, path, self.target.generation)
+            return CoreHandle(self.fs.create("/" + path, flags, 0o644 & ~UMASK).fh, flags, path, self.target.generation)
         if flags & os.O_CREAT and flags & os.O_EXCL:
             raise OSError(errno.EEXIST, "exists", path)
         if info.is_dir:
             if writable or flags & os.O_CREAT:
                 raise OSError(errno.EISDIR, "is a directory", path)
             return CoreHandle(None, flags, path, self.target.generation)
-        fh = self.fs.open("/" + path, flags & ~(os.O_CREAT | os.O_EXCL))
+        fh = self.fs.open("/" + path, flags & ~(os.O_CREAT | os.O_EXCL)).fh
         return CoreHandle(fh, flags, path, self.target.generation)
 
     def close(self, h: CoreHandle) -> None:
@@ -440,8 +440,8 @@ class FsDriver(Driver):
         """What FuseAdapter.attrs shows: stored values, else the mount's defaults."""
         info = self._lookup(path)
         posix = info.posix
-        mode = self.fs.dir_mode if info.is_dir else self.fs.file_mode
-        uid, gid = self.fs.uid, self.fs.gid
+        mode = self.fs.defaults.dir_mode if info.is_dir else self.fs.defaults.file_mode
+        uid, gid = self.fs.defaults.uid, self.fs.defaults.gid
         if posix is not None:
             mode = mode if posix.mode is None else posix.mode
             uid = uid if posix.uid is None else posix.uid
@@ -561,7 +561,7 @@ class CoreTarget:
     def mount(self) -> None:
         """As the daemon starts: the chunk cache of the same directory, journals replayed."""
         from marinfs.chunkcache import ChunkCache
-        from marinfs.fs import Filesystem
+        from marinfs.core import Filesystem
         from marinfs.reader import ChunkFetcher
         from marinfs.recovery import recover
 

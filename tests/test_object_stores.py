@@ -34,7 +34,7 @@ class Store:
     url: str
     client: Any  # a direct fsspec client of the same bucket
     root: str
-    core: Any  # marinfs.fs.Filesystem serving the mount
+    core: Any  # marinfs.core.Filesystem serving the mount
     options: dict
     env: dict[str, str]
 

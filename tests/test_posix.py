@@ -27,9 +27,11 @@ from typing import Any
 
 import pytest
 
-import marinfs.fs as fs_module
-from marinfs.fs import (FALLOC_FL_KEEP_SIZE, XATTR_CREATE, XATTR_REPLACE, XATTR_SIZE_MAX, XATTR_TOTAL_MAX,
-                        XATTR_URL, XATTR_VERSION, Filesystem)
+import marinfs.core.writes as writes_module
+from marinfs.core import Filesystem
+from marinfs.core.attributes import (XATTR_CREATE, XATTR_REPLACE, XATTR_SIZE_MAX, XATTR_TOTAL_MAX, XATTR_URL,
+                                     XATTR_VERSION)
+from marinfs.core.writes import FALLOC_FL_KEEP_SIZE
 from marinfs.objects import NO_ATTRS, ObjectVersion, PosixAttrs
 from marinfs.recovery import recover
 from marinfs.remote import Remote
@@ -57,14 +59,14 @@ def close(fs: Filesystem, fh: int) -> None:
 
 
 def staged_fd(fs: Filesystem, fh: int) -> int:
-    staged = fs._handle(fh).staged
+    staged = fs.handles.get(fh).staged
     assert staged is not None
     return staged.fd
 
 
 # -- fallocate (core) --------------------------------------------------------------------------
 def test_fallocate_extends_a_staged_file_with_zeros_committed_at_close(fs: Filesystem, remote: Remote) -> None:
-    fh = fs.create("/new.bin", CREAT)
+    fh = fs.create("/new.bin", CREAT).fh
     fs.write(fh, b"abc", 0)
     fs.fallocate(fh, 0, 0, MiB)
     assert fs.handle_info(fh).size == MiB and fs.getattr("/new.bin").size == MiB
@@ -74,7 +76,7 @@ def test_fallocate_extends_a_staged_file_with_zeros_committed_at_close(fs: Files
 
     # An existing object opened without O_TRUNC: its old bytes, then zeros up to the new end.
     put(remote, "old.bin", b"0123456789")
-    fh = fs.open("/old.bin", os.O_RDWR)
+    fh = fs.open("/old.bin", os.O_RDWR).fh
     fs.fallocate(fh, 0, 5, 20)
     assert fs.handle_info(fh).size == 25
     close(fs, fh)
@@ -84,7 +86,7 @@ def test_fallocate_extends_a_staged_file_with_zeros_committed_at_close(fs: Files
 def test_fallocate_keep_size_and_inside_the_file_change_nothing(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f.bin", b"hello")
     before = remote.stat("f.bin").version
-    fh = fs.open("/f.bin", os.O_WRONLY)
+    fh = fs.open("/f.bin", os.O_WRONLY).fh
     fs.fallocate(fh, FALLOC_FL_KEEP_SIZE, 0, MiB)
     fs.fallocate(fh, 0, 0, 5)  # mode 0 inside the file: blocks, no new bytes
     assert fs.handle_info(fh).size == 5
@@ -96,14 +98,14 @@ def test_fallocate_keep_size_and_inside_the_file_change_nothing(fs: Filesystem, 
 
 def test_fallocate_refuses_holes_ranges_and_read_only_handles(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f.bin", b"hello")
-    fh = fs.open("/f.bin", os.O_RDWR)
+    fh = fs.open("/f.bin", os.O_RDWR).fh
     for mode in (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE, FALLOC_FL_COLLAPSE_RANGE):
         with raises_errno(errno.EOPNOTSUPP):
             fs.fallocate(fh, mode, 0, 4096)
     with raises_errno(errno.EINVAL):
         fs.fallocate(fh, 0, 0, 0)
     close(fs, fh)
-    reader = fs.open("/f.bin", os.O_RDONLY)
+    reader = fs.open("/f.bin", os.O_RDONLY).fh
     with raises_errno(errno.EBADF):
         fs.fallocate(reader, 0, 0, 4096)
     fs.release(reader)
@@ -117,9 +119,9 @@ def test_fallocate_that_finds_no_space_changes_nothing(fs: Filesystem, remote: R
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    fh = fs.create("/f.bin", CREAT)
+    fh = fs.create("/f.bin", CREAT).fh
     fs.write(fh, b"abc", 0)
-    monkeypatch.setattr(fs_module, "reserve", full)
+    monkeypatch.setattr(writes_module, "reserve", full)
     with raises_errno(errno.ENOSPC):
         fs.fallocate(fh, 0, 0, MiB)
     assert fs.handle_info(fh).size == 3
@@ -151,7 +153,7 @@ def test_xattrs_name_the_object_and_its_version(fs: Filesystem, remote: Remote) 
 def test_a_file_with_uncommitted_bytes_has_no_version_until_its_close(fs: Filesystem, remote: Remote) -> None:
     put(remote, "f.bin", b"old")
     old = remote.stat("f.bin").version
-    fh = fs.open("/f.bin", os.O_WRONLY | os.O_TRUNC)
+    fh = fs.open("/f.bin", os.O_WRONLY | os.O_TRUNC).fh
     fs.write(fh, b"new bytes", 0)
     with raises_errno(errno.ENODATA):
         fs.getxattr("/f.bin", XATTR_VERSION)
@@ -195,8 +197,8 @@ def shown(fs: Filesystem, path: str, info: Any = None) -> dict[str, Any]:
     defaults and the object's time; and the user xattrs. A local file always has all of its own."""
     info = info or fs.getattr(path)
     p = info.posix or NO_ATTRS
-    return {"mode": p.mode if p.mode is not None else fs.dir_mode if info.is_dir else fs.file_mode,
-            "uid": fs.uid if p.uid is None else p.uid, "gid": fs.gid if p.gid is None else p.gid,
+    return {"mode": p.mode if p.mode is not None else fs.defaults.dir_mode if info.is_dir else fs.defaults.file_mode,
+            "uid": fs.defaults.uid if p.uid is None else p.uid, "gid": fs.defaults.gid if p.gid is None else p.gid,
             "mtime_ns": info.mtime_ns if p.mtime_ns is None else p.mtime_ns, "xattrs": dict(p.xattrs)}
 
 
@@ -253,7 +255,7 @@ def test_values_the_mount_shows_anyway_are_not_stored(fs: Filesystem, remote: Re
 
 
 def test_attributes_set_while_writing_go_with_the_commit(fs: Filesystem, remote: Remote, tmp_path: Path) -> None:
-    fh = fs.create("/new.bin", CREAT, 0o644)
+    fh = fs.create("/new.bin", CREAT, 0o644).fh
     fs.write(fh, b"payload", 0)
     fs.set_attributes(None, mode=0o600, fh=fh)  # fchmod
     fs.set_attributes("/new.bin", uid=42, gid=43)
@@ -272,7 +274,7 @@ def test_attributes_set_while_writing_go_with_the_commit(fs: Filesystem, remote:
 
 
 def test_a_write_after_utimens_sets_the_mtime_again(fs: Filesystem, remote: Remote) -> None:
-    fh = fs.create("/f", CREAT)
+    fh = fs.create("/f", CREAT).fh
     fs.write(fh, b"a", 0)
     fs.set_attributes("/f", mtime_ns=10**18, mode=0o640)
     fs.write(fh, b"b", 1)
@@ -283,7 +285,7 @@ def test_a_write_after_utimens_sets_the_mtime_again(fs: Filesystem, remote: Remo
 
 def test_create_and_mkdir_store_a_mode_only_when_it_is_not_the_mounts(fs: Filesystem, remote: Remote) -> None:
     for path, mode in (("/plain", 0o644), ("/private", 0o600), ("/script", 0o4755)):
-        close(fs, fs.create(path, CREAT, stat.S_IFREG | mode))
+        close(fs, fs.create(path, CREAT, stat.S_IFREG | mode).fh)
     if not remote.lists_posix:  # an object store: nothing stored for the plain one
         assert remote.stat("plain").posix == NO_ATTRS
     assert [stored(remote, k)["mode"] for k in ("plain", "private", "script")] == [0o644, 0o600, 0o4755]
@@ -300,7 +302,7 @@ def test_a_truncating_open_keeps_mode_owner_and_xattrs_not_the_mtime(fs: Filesys
     put(remote, "f", b"old")
     fs.set_attributes("/f", mode=0o600, uid=7, mtime_ns=10**18)
     fs.setxattr("/f", "user.k", b"v")
-    fh = fs.open("/f", os.O_WRONLY | os.O_TRUNC)
+    fh = fs.open("/f", os.O_WRONLY | os.O_TRUNC).fh
     fs.write(fh, b"new", 0)
     close(fs, fh)
     got = stored(remote, "f")
@@ -325,7 +327,7 @@ def test_chmod_of_a_file_open_for_writing_keeps_its_commit_ours(fs: Filesystem, 
     """A metadata update of the object under an open writer (nothing written yet) must not make
     the writer's commit a conflict with our own chmod."""
     put(remote, "f", b"v1")
-    fh = fs.open("/f", os.O_RDWR)
+    fh = fs.open("/f", os.O_RDWR).fh
     fs.set_attributes("/f", mode=0o600)
     fs.write(fh, b"V", 0)
     close(fs, fh)
@@ -338,7 +340,7 @@ def test_chmod_never_moves_a_writers_base_past_someone_elses_bytes(fs: Filesyste
     writer's commit must still find that it started from other bytes: a conflict, not a blind
     overwrite of theirs."""
     put(remote, "f", b"v1")
-    fh = fs.open("/f", os.O_RDWR)
+    fh = fs.open("/f", os.O_RDWR).fh
     put(remote, "f", b"v2, theirs")
     fs.set_attributes("/f", mode=0o600)
     fs.write(fh, b"ours", 0)
@@ -349,7 +351,7 @@ def test_chmod_never_moves_a_writers_base_past_someone_elses_bytes(fs: Filesyste
 
 
 def test_a_recovered_commit_carries_its_attributes(fs: Filesystem, remote: Remote, tmp_path: Path) -> None:
-    fh = fs.create("/crashed", CREAT, 0o600)
+    fh = fs.create("/crashed", CREAT, 0o600).fh
     fs.write(fh, b"staged", 0)
     fs.setxattr("/crashed", "user.k", b"\x00\xff")
     fs.set_attributes("/crashed", mtime_ns=10**18)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.objects import ObjectInfo
 from marinfs.remote import Remote
 from test_core import W, cat, fs, write_file  # noqa: F401 - fs is a fixture
@@ -79,7 +79,7 @@ def test_a_rename_here_while_its_writer_flushes_moves_the_writes_too(
                             ("/d", "/e", "d/log", "rename_tree"))
     if moved == "directory":
         fs.mkdir("/d")
-    fh = fs.create("/" + path, os.O_CREAT | os.O_WRONLY)
+    fh = fs.create("/" + path, os.O_CREAT | os.O_WRONLY).fh
     fs.write(fh, b"one", 0)
     fs.flush(fh)
     reached, go = held(monkeypatch, fs.remote, call)
@@ -87,7 +87,7 @@ def test_a_rename_here_while_its_writer_flushes_moves_the_writes_too(
     assert flushed == [(3, None)], f"close() of the writer failed: {flushed!r}"
     new = dst[1:] + path[len(src) - 1:]
     assert cat(remote, new) == b"onetwo" and cat(remote, path) is None
-    assert fs._staged == {}  # released: nothing left in the table under either name
+    assert fs.writes.staged == {}  # released: nothing left in the table under either name
 
 
 def test_a_chmod_in_flight_while_the_files_writer_commits_keeps_the_commit(
@@ -95,7 +95,7 @@ def test_a_chmod_in_flight_while_the_files_writer_commits_keeps_the_commit(
     """The chmod's update answered, the writer here commits, then the chmod cached its stat of
     before the commit (old size), or locally left the writer's base stale (close: ESTALE)."""
     write_file(fs, "/a", b"old")
-    fh = fs.open("/a", W)
+    fh = fs.open("/a", W).fh
     reached, go = held(monkeypatch, fs.remote, "set_attrs")
     flushed = writer_flushes_during(fs, fh, lambda: fs.set_attributes("/a", mode=0o600), reached, go,
                                     b"new content", 0)
@@ -111,7 +111,7 @@ def test_a_chmod_in_flight_when_a_writer_opens_and_commits_keeps_the_commit(
     reached, go = held(monkeypatch, fs.remote, "set_attrs")
     t, out = run(lambda: fs.set_attributes("/a", mode=0o600))
     assert reached.wait(10)
-    fh = fs.open("/a", W | os.O_TRUNC)
+    fh = fs.open("/a", W | os.O_TRUNC).fh
     fs.write(fh, b"new content", 0)
     fs.flush(fh)
     go.set()
@@ -128,7 +128,7 @@ def test_a_chmod_while_a_commit_caches_its_stat_is_kept(fs: Filesystem, remote: 
     """A chmod between a commit's upload and its caching was overwritten in the cache by the
     commit's older stat: the mode this node had just set vanished from its view."""
     write_file(fs, "/a", b"old")
-    fh = fs.open("/a", W)
+    fh = fs.open("/a", W).fh
     fs.write(fh, b"new content", 0)
     writer: list[threading.Thread] = []
     reached, go = held(monkeypatch, fs.metadata, "put_own",
@@ -190,7 +190,7 @@ def test_attributes_a_listing_lacked_are_asked_again_when_this_node_made_the_fil
 
     monkeypatch.setattr(fs.remote, "stat", stale_stat)
     listed = ObjectInfo(name="a", is_dir=False, size=0, version=None, posix=None)  # no record
-    t, out = run(lambda: fs._posix_of("a", listed))
+    t, out = run(lambda: fs.attributes.posix_of("a", listed))
     assert asked.wait(10)
     write_file(fs, "/a", b"made here")
     fs.set_attributes("/a", mode=0o600)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.recovery import recover
 from marinfs.remote import Remote
 from marinfs.status import format_failed
@@ -44,7 +44,7 @@ def stage(tmp_path: Path, remote: Remote, key: str, data: bytes, base: str | Non
 def close_failing(fs: Filesystem, path: str, data: bytes, error: type[OSError] = OSError) -> None:
     """Write ``data`` to a new file whose commit fails (``error`` from the flush), then close it:
     the bytes stay staged and the failure goes on the retry list."""
-    fh = fs.create(path, os.O_WRONLY | os.O_CREAT)
+    fh = fs.create(path, os.O_WRONLY | os.O_CREAT).fh
     fs.write(fh, data, 0)
     with pytest.raises(error):
         fs.flush(fh)
@@ -285,7 +285,7 @@ def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: 
     monkeypatch.setattr(remote, "upload", upload)
     close_failing(fs, "/first", b"first bytes")
     assert [f["key"] for f in fs.upload_status()["failed"]] == ["first"]
-    second = fs.create("/second", os.O_WRONLY | os.O_CREAT)  # open while the pass starts
+    second = fs.create("/second", os.O_WRONLY | os.O_CREAT).fh  # open while the pass starts
     fs.write(second, b"second bytes", 0)
 
     down.discard("first")  # the store is back for the pass, not yet for the next close

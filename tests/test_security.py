@@ -20,7 +20,7 @@ import pytest
 
 from marinfs.daemon import state_file
 from marinfs.errors import UsageError
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.remote import Remote
 from marinfs.mounts import MountEntry, convert
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
@@ -203,13 +203,13 @@ def test_marinfs_never_reads_or_writes_through_a_link_out_of_a_local_remote(tmp_
     assert fs.readlink("/sub/relative-out") == "../../outside/secret.txt"
     for path in ("/dir-out/secret.txt", "/file-out"):
         with pytest.raises(OSError) as info:  # through the link: refused; the link itself: not a file
-            fs.read(fs.open(path, os.O_RDONLY), 100, 0)
+            fs.read(fs.open(path, os.O_RDONLY).fh, 100, 0)
         assert info.value.errno in (errno.EACCES, errno.ELOOP)
     for path in ("/dir-out", "/dir-out/x"):
         with pytest.raises(OSError):
             fs.readdir(path)
     with pytest.raises(PermissionError):
-        fs.create("/dir-out/planted.txt", os.O_CREAT | os.O_WRONLY)
+        fs.create("/dir-out/planted.txt", os.O_CREAT | os.O_WRONLY).fh
     with pytest.raises(PermissionError):
         fs.unlink("/dir-out/secret.txt")
     with pytest.raises(PermissionError):

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.metadata import MetadataCache
 from marinfs.remote import Remote
 from mounting import Mounted, fsspec_client, inprocess_mount, remote_find, subprocess_mount
@@ -74,7 +74,7 @@ def test_core_symlink_readlink_lstat_rename_unlink(remote: Remote, tmp_path: Pat
         fs.symlink("x", "/abs")
     assert raised.value.errno == errno.EEXIST
     with pytest.raises(OSError) as raised:
-        fs.open("/abs", os.O_RDONLY)  # the kernel resolves links; O_NOFOLLOW's answer
+        fs.open("/abs", os.O_RDONLY).fh  # the kernel resolves links; O_NOFOLLOW's answer
     assert raised.value.errno == errno.ELOOP
     with pytest.raises(OSError) as raised:
         fs.readlink("/d")
@@ -96,7 +96,7 @@ def test_core_symlink_readlink_lstat_rename_unlink(remote: Remote, tmp_path: Pat
 
 def test_core_a_link_replaces_a_file_and_the_reverse_on_rename(remote: Remote, tmp_path: Path) -> None:
     fs = core(remote, tmp_path)
-    fh = fs.create("/f", os.O_CREAT | os.O_WRONLY)
+    fh = fs.create("/f", os.O_CREAT | os.O_WRONLY).fh
     fs.write(fh, b"file", 0)
     fs.flush(fh)
     fs.release(fh)
@@ -104,7 +104,7 @@ def test_core_a_link_replaces_a_file_and_the_reverse_on_rename(remote: Remote, t
     fs.rename("/l", "/f")  # the link replaces the file
     assert fs.getattr("/f").link and fs.readlink("/f") == "target"
     assert [i.name for i in fs.readdir("/")] == ["f"]
-    fh = fs.create("/g", os.O_CREAT | os.O_WRONLY)
+    fh = fs.create("/g", os.O_CREAT | os.O_WRONLY).fh
     fs.write(fh, b"g", 0)
     fs.flush(fh)
     fs.release(fh)
@@ -131,7 +131,7 @@ def test_core_rclone_convention_written_by_another_client(tmp_path: Path) -> Non
     with pytest.raises(FileNotFoundError):
         fresh.getattr("/a.rclonelink")  # the link's object is never a file of that name
     with pytest.raises(OSError) as raised:
-        fresh.create("/new.rclonelink", os.O_CREAT | os.O_WRONLY)
+        fresh.create("/new.rclonelink", os.O_CREAT | os.O_WRONLY).fh
     assert raised.value.errno == errno.EPERM
 
 

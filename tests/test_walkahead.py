@@ -18,7 +18,7 @@ from conftest import Mounted, mount_backend
 from mounting import MARINFS
 import tiers
 
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.objects import ObjectInfo, ObjectVersion
 from marinfs.reader import ChunkFetcher
 from marinfs.remote import Remote
@@ -148,7 +148,7 @@ def put(remote: Remote, key: str, data: bytes) -> None:
 
 
 def cat(fs: Filesystem, path: str) -> bytes:
-    fh = fs.open(path, os.O_RDONLY)
+    fh = fs.open(path, os.O_RDONLY).fh
     try:
         return fs.read(fh, 1 << 20, 0)
     finally:

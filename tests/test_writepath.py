@@ -21,7 +21,7 @@ from conftest import object_store
 from faults import TcpProxy
 from marinfs.config import RemoteSettings
 from marinfs.errors import FsError
-from marinfs.fs import Filesystem
+from marinfs.core import Filesystem
 from marinfs.remote import Remote
 from marinfs.uploads import PartStream
 from mounting import MARINFS, daemon_pid, fsspec_client, subprocess_mount
@@ -208,10 +208,10 @@ def test_sequential_write_is_uploaded_before_close(request: pytest.FixtureReques
                                                    backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
     data = os.urandom(17 * MiB + 5)
-    fh = core.create("/big.bin", os.O_WRONLY | os.O_CREAT)
+    fh = core.create("/big.bin", os.O_WRONLY | os.O_CREAT).fh
     for off in range(0, len(data), MiB):
         core.write(fh, data[off:off + MiB], off)
-    staged = core._handle(fh).staged
+    staged = core.handles.get(fh).staged
     assert staged is not None and staged.stream is not None
     staged.stream._drain()
     sent = core.remote.stats.count("part")
@@ -228,7 +228,7 @@ def test_seek_back_patch_of_a_streamed_file(request: pytest.FixtureRequest, tmp_
                                             backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
     data = bytearray(os.urandom(12 * MiB))
-    fh = core.create("/ckpt.zip", os.O_WRONLY | os.O_CREAT)
+    fh = core.create("/ckpt.zip", os.O_WRONLY | os.O_CREAT).fh
     for off in range(0, len(data), MiB):
         core.write(fh, bytes(data[off:off + MiB]), off)
     core.write(fh, b"PATCHED-HEADER", 30)
@@ -248,7 +248,7 @@ def test_no_blind_overwrite_of_a_changed_object(request: pytest.FixtureRequest, 
     core, client, root = _core(request, backend, tmp_path)
     client.pipe_file(f"{root}/status", b"RUNNING")
     ours = os.urandom(size)
-    fh = core.open("/status", os.O_WRONLY | os.O_TRUNC)
+    fh = core.open("/status", os.O_WRONLY | os.O_TRUNC).fh
     core.write(fh, ours, 0)
     client.pipe_file(f"{root}/status", b"SUCCESS from another node")
     with pytest.raises(FsError) as info:
@@ -267,7 +267,7 @@ def test_no_blind_overwrite_of_a_changed_object(request: pytest.FixtureRequest, 
 def test_a_new_file_never_replaces_one_created_meanwhile(request: pytest.FixtureRequest, tmp_path: Path,
                                                          backend: str) -> None:
     core, client, root = _core(request, backend, tmp_path)
-    fh = core.create("/out.json", os.O_WRONLY | os.O_CREAT)
+    fh = core.create("/out.json", os.O_WRONLY | os.O_CREAT).fh
     core.write(fh, b"{}", 0)
     client.pipe_file(f"{root}/out.json", b"theirs")
     with pytest.raises(FsError) as info:
@@ -285,15 +285,15 @@ def test_our_own_rewrites_are_not_conflicts(request: pytest.FixtureRequest, tmp_
     open file all commit normally."""
     core, client, root = _core(request, backend, tmp_path)
     for text in (b"RUNNING", b"SUCCESS", b"SUCCESS!"):
-        fh = core.open("/.executor_status", os.O_WRONLY | os.O_TRUNC) if text != b"RUNNING" else \
-            core.create("/.executor_status", os.O_WRONLY | os.O_CREAT)
+        fh = core.open("/.executor_status", os.O_WRONLY | os.O_TRUNC).fh if text != b"RUNNING" else \
+            core.create("/.executor_status", os.O_WRONLY | os.O_CREAT).fh
         core.write(fh, text, 0)
         core.fsync(fh)
         core.write(fh, b"\n", len(text))
         core.flush(fh)
         core.release(fh)
         assert client.cat_file(f"{root}/.executor_status") == text + b"\n"
-    fh = core.create("/x.tmp", os.O_WRONLY | os.O_CREAT)
+    fh = core.create("/x.tmp", os.O_WRONLY | os.O_CREAT).fh
     core.write(fh, b"one", 0)
     core.rename("/x.tmp", "/x")
     core.write(fh, b"two", 3)
@@ -321,7 +321,7 @@ def test_gcs_commits_carry_the_generation_precondition(request: pytest.FixtureRe
     generation = str(client.info(f"{root}/old")["generation"])
     for path, flags, size in (("/new", os.O_CREAT | os.O_WRONLY, 10), ("/old", os.O_WRONLY | os.O_TRUNC, 10),
                               ("/big", os.O_CREAT | os.O_WRONLY, 6 * MiB)):
-        fh = core.create(path, flags) if flags & os.O_CREAT else core.open(path, flags)
+        fh = core.create(path, flags).fh if flags & os.O_CREAT else core.open(path, flags).fh
         core.write(fh, b"z" * size, 0)
         core.flush(fh)
         core.release(fh)
@@ -574,8 +574,8 @@ def test_commits_of_odd_names(request: pytest.FixtureRequest, tmp_path: Path, ba
     names = ["a b.txt", "ünïcødé.json", "x:y=z&w", "100%", "q?#.bin", "plus+sign"]
     for name in names:
         for size in (10, 6 * MiB):  # one request, and a multipart/resumable session
-            fh = core.create(f"/{name}", os.O_WRONLY | os.O_CREAT) if size == 10 else \
-                core.open(f"/{name}", os.O_WRONLY | os.O_TRUNC)
+            fh = core.create(f"/{name}", os.O_WRONLY | os.O_CREAT).fh if size == 10 else \
+                core.open(f"/{name}", os.O_WRONLY | os.O_TRUNC).fh
             data = name.encode() * (size // len(name.encode()) + 1)
             core.write(fh, data[:size], 0)
             core.flush(fh)
@@ -735,7 +735,7 @@ def test_a_sequential_write_to_s3_is_summed_as_written_and_seaweedfs_agrees(requ
     remote._direct._digest = lambda *a: digests.append(1) or real(*a)
     data = os.urandom((12 << 20) + 5)
     remote.stats.reset()
-    fh = core.create("/seq.bin", os.O_WRONLY | os.O_CREAT)
+    fh = core.create("/seq.bin", os.O_WRONLY | os.O_CREAT).fh
     for off in range(0, len(data), (1 << 20) + 7):  # FUSE-sized writes, not aligned to parts
         core.write(fh, memoryview(data)[off:off + (1 << 20) + 7], off)
     core.flush(fh)
@@ -750,7 +750,7 @@ def test_a_file_never_grows_past_the_largest_file_size(remote: Remote, tmp_path:
     37: its close sat in state D for 10 minutes sending holes); so are a write, an append and a
     fallocate that would cross --max-file-size. Nothing is sent; the file stays as it was."""
     fs = Filesystem(remote, staging_dir=tmp_path / "staging", max_file_size=1 << 20)
-    fh = fs.create("/f", os.O_WRONLY | os.O_CREAT)
+    fh = fs.create("/f", os.O_WRONLY | os.O_CREAT).fh
     fs.write(fh, b"x" * 1000, 0)
     for attempt in (lambda: fs.truncate("/f", (1 << 20) + 1, fh=fh),
                     lambda: fs.write(fh, b"y", 1 << 20),
@@ -765,7 +765,7 @@ def test_a_file_never_grows_past_the_largest_file_size(remote: Remote, tmp_path:
     with pytest.raises(FsError) as err:
         fs.truncate("/f", 1 << 40)  # by path
     assert err.value.errno == errno.EFBIG
-    fh = fs.open("/f", os.O_WRONLY | os.O_APPEND)
+    fh = fs.open("/f", os.O_WRONLY | os.O_APPEND).fh
     with pytest.raises(FsError) as err:
         fs.write(fh, b"z", 0)  # an append past the limit
     assert err.value.errno == errno.EFBIG

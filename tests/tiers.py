@@ -2,7 +2,7 @@
 fast tiers to it.
 
 - ``unit``: one function or class, with fakes; no remote, no FUSE, no server.
-- ``core``: ``marinfs.fs.Filesystem`` or a ``Remote`` over memory:// or a local directory.
+- ``core``: ``marinfs.core.Filesystem`` or a ``Remote`` over memory:// or a local directory.
 - ``mount``: a real FUSE mount (in-process or a daemon), or mount(8).
 - ``objectstore``: SeaweedFS or fake-gcs-server (with or without a mount).
 

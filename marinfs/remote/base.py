@@ -32,7 +32,7 @@ import fsspec.config
 from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.errors import is_final as errors_is_final
-from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import Copied, ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -188,10 +188,6 @@ class Remote:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  settings: RemoteSettings | None = None) -> None:
         self.settings = settings or RemoteSettings()
-        # Told, by a rename's copy that was pinned to the source's version, that ``dst`` now
-        # holds exactly version ``old`` of ``src`` as its version ``new`` (src, dst, old, new):
-        # the filesystem moves open readers of that version there (set by fs.Filesystem).
-        self.on_moved: Callable[[str, str, ObjectVersion, ObjectVersion], None] | None = None
         # Told when an upload of a local file opens or ends a session the store keeps apart
         # (an S3 multipart upload): (the local file, the session's record, opened?), so the
         # file's journal names it and the next daemon can abort it (set by fs.Filesystem).
@@ -610,16 +606,20 @@ class Remote:
             os.unlink(tmp)
 
     # -- namespace -----------------------------------------------------------------------------
-    def copy(self, src: str, dst: str) -> None:
+    def copy(self, src: str, dst: str) -> Copied | None:
+        """A server-side copy; what it copied, where the store says (None: it does not)."""
         self._call("copy", self.fs.cp_file, self.full(src), self.full(dst))
+        return None
 
     def delete(self, key: str) -> None:
         self._call("delete", self.fs.rm_file, self.full(key))
 
-    def rename(self, src: str, dst: str) -> None:
-        """Rename one file: a copy then a delete (local disks rename atomically)."""
-        self.copy(src, dst)
+    def rename(self, src: str, dst: str) -> list[Copied]:
+        """Rename one file: a copy then a delete (local disks rename atomically). Answers the
+        copy made, if the store said what it copied (the filesystem moves its readers)."""
+        copied = self.copy(src, dst)
         self.delete(src)
+        return [copied] if copied is not None else []
 
     def _is_marker(self, raw: dict[str, Any], name: str) -> bool:
         """Whether a recursive listing's entry is a directory in its own right."""
@@ -647,21 +647,22 @@ class Remote:
                 files.append(rel)
         return files, dirs, explicit
 
-    def rename_tree(self, src: str, dst: str) -> None:
+    def rename_tree(self, src: str, dst: str) -> list[Copied]:
         """Move directory ``src`` and everything under it to ``dst``. Not atomic here: every
-        object is copied, then the originals are deleted (documented); local disks override."""
+        object is copied, then the originals are deleted (documented); local disks override.
+        Answers the copies whose store said what they copied."""
         files, dirs, explicit = self.walk(src)
         for f in files:  # a name the store cannot hold fails the rename before anything moved
             self.check_key(dst + f[len(src):])
         for d in sorted(explicit):  # implicit directories come along with their objects
             self.make_dir(dst + d[len(src):])
-        for f in files:
-            self.copy(f, dst + f[len(src):])
+        copies = [self.copy(f, dst + f[len(src):]) for f in files]
         for f in files:
             self.delete(f)
         # Every directory, implicit ones too: some stores (SeaweedFS) keep empty folders.
         for d in sorted(set(dirs) | {src}, reverse=True):
             self.remove_dir(d)
+        return [c for c in copies if c is not None]
 
     def make_dir(self, key: str) -> None:
         self._call("mkdir", self.fs.mkdir, self.full(key), create_parents=False)

@@ -31,7 +31,7 @@ import fsspec.asyn
 
 from marinfs import posixmeta
 from marinfs.errors import PreconditionFailed, StaleVersionError
-from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
+from marinfs.objects import Copied, ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
 from marinfs.remote.base import TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.gcshttp import GCSHttp, usable
 from marinfs.remote.objectstore import ObjectStoreRemote
@@ -161,10 +161,10 @@ class GCSRemote(Recorded, ObjectStoreRemote):
     def _head_object(self, full: str) -> dict[str, Any]:
         return fsspec.asyn.sync(self.fs.loop, self.fs._get_object, full)
 
-    def copy(self, src: str, dst: str) -> ObjectVersion | None:
+    def copy(self, src: str, dst: str) -> Copied | None:
         """A rewrite of the source's current generation (``ifSourceGenerationMatch``, as S3's
-        copy is pinned to its ETag; it keeps the metadata), answering the copy's generation:
-        readers of that source generation follow a rename to it (``on_moved``)."""
+        copy is pinned to its ETag; it keeps the metadata), answering that generation and the
+        copy's: readers of that source generation follow a rename to it."""
         source, target = self.full(src), self.full(dst)
         # The object's own metadata, not stat(): a directory record (dirmeta.py) is copied by a
         # directory rename too, and stat() does not show it.
@@ -188,10 +188,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
         copied = (out.get("resource") or {}).get("generation")
         if not copied:
             return None
-        new = ObjectVersion("generation", str(copied))
-        if match and old is not None and self.on_moved is not None:
-            self.on_moved(src, dst, old, new)
-        return new
+        return Copied(src, dst, old if match else None, ObjectVersion("generation", str(copied)))
 
     def _prefix_exists(self, full: str) -> bool:
         bucket, key, _ = self.fs.split_path(full)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from marinfs.errors import PreconditionFailed
-from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import Copied, ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import Remote
 from marinfs.remote.recorded import Recorded
 
@@ -119,10 +119,10 @@ class MemoryRemote(Recorded, Remote):
         self._recorded_attrs(key, info.version, attrs, metadata_only=True)
         return info.version
 
-    def copy(self, src: str, dst: str) -> None:
+    def copy(self, src: str, dst: str) -> Copied | None:
         """fsspec's copy, keeping the POSIX metadata (as S3 and GCS copies keep metadata), of
-        the source's generation as it was under its commit lock: its readers follow a rename
-        (``on_moved``), as on S3 and GCS."""
+        the source's generation as it was under its commit lock: its readers follow a rename,
+        as on S3 and GCS."""
         locks = sorted({self._lock(self.full(src)), self._lock(self.full(dst))}, key=id)  # no commit between
         with contextlib.ExitStack() as held:
             for lock in locks:
@@ -134,8 +134,7 @@ class MemoryRemote(Recorded, Remote):
         attrs = getattr(source, _POSIX_ATTR, None)
         if attrs is not None and stored is not None:
             setattr(stored, _POSIX_ATTR, attrs)
-        if old is not None and stored is not None and self.on_moved is not None:
-            self.on_moved(src, dst, old, self._version(stored))
+        return Copied(src, dst, old, self._version(stored)) if stored is not None else None
 
     def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:
         """Bytes and generation read together, under the key's commit lock."""

@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from marinfs.errors import UsageError
-from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import Copied, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import TMP_PREFIX, Remote
 
 XATTR_PREFIX = "user."
@@ -204,15 +204,17 @@ class LocalRemote(Remote):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         apply_posix(path, attrs)
 
-    def rename(self, src: str, dst: str) -> None:
-        """rename(2): atomic, and it replaces an existing target."""
+    def rename(self, src: str, dst: str) -> list[Copied]:
+        """rename(2): atomic, and it replaces an existing target. No copy: the files themselves
+        move (the filesystem's readers follow them by inode, ``renames_in_place``)."""
         self.stats.add("rename")
         # rename(2) moves names, never what a link leads to: neither last component is followed.
         os.replace(self.entry(src), self.entry(dst))
+        return []
 
-    def rename_tree(self, src: str, dst: str) -> None:
+    def rename_tree(self, src: str, dst: str) -> list[Copied]:
         """One rename(2) moves the whole tree, atomically."""
-        self.rename(src, dst)
+        return self.rename(src, dst)
 
     def remove_dir(self, key: str) -> None:
         self.stats.add("rmdir")

@@ -23,7 +23,7 @@ from typing import Any
 
 from marinfs.dirmeta import RECORD_NAME, DirRecords, is_record, record_key, split_key
 from marinfs.errors import FsError
-from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import Copied, ObjectInfo, ObjectVersion, PosixAttrs
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +147,14 @@ class Recorded:
         super().remove_dir(key)  # type: ignore[misc]
         self.records.forget_key(key, is_dir=True)
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(self, src: str, dst: str) -> list[Copied]:
         """The backend's copy, the entry moved to the copy's version, the backend's delete. The
         copy's version, where copy() does not answer it, costs a HEAD, and only when the source
         has (or may have: its record never read) an entry."""
         self._refuse_record(dst)
-        copied = self.copy(src, dst)  # type: ignore[attr-defined]
+        copied: Copied | None = self.copy(src, dst)  # type: ignore[attr-defined]
         if self.records.may_have(src):
-            version = copied if isinstance(copied, ObjectVersion) else None
+            version = copied.new if copied is not None else None
             if version is None:
                 try:
                     version = self.stat(dst).version
@@ -164,8 +164,9 @@ class Recorded:
         elif self.records.may_have(dst):  # a file replaced: its entry must not outlive it
             self.records.forget_key(dst)
         super().delete(src)  # type: ignore[misc]
+        return [copied] if copied is not None else []
 
-    def rename_tree(self, src: str, dst: str) -> None:
+    def rename_tree(self, src: str, dst: str) -> list[Copied]:
         """The tree moved as the backend moves it (copy + delete, records included), then the
         directory's own entry, and each copied record's entries given their copies' versions
         (a copy is a new version on some stores): per directory with a record, a LIST before
@@ -176,7 +177,7 @@ class Recorded:
         self.records.flush(CLOSE_TIMEOUT)
         before = {} if self.lists_posix else self._tree_records(src)  # (else entries are directories': kept)
         self.records.move_key(src, dst, None, is_dir=True)  # first: removing src forgets its entry
-        super().rename_tree(src, dst)  # type: ignore[misc]
+        copies: list[Copied] = super().rename_tree(src, dst)  # type: ignore[misc]
         for old_dir, valid in before.items():
             new_dir = dst + old_dir[len(src):]
             self.records.drop(old_dir)
@@ -189,6 +190,7 @@ class Recorded:
             for name, attrs in valid.items():
                 if listed.get(name) is not None:
                     self.records.set(new_dir, name, listed[name], attrs)
+        return copies
 
     def _tree_records(self, src: str) -> dict[str, dict[str, PosixAttrs]]:
         """Directory -> its record's file entries that match its objects now, for each

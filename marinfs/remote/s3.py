@@ -28,7 +28,7 @@ import fsspec.asyn
 from marinfs import posixmeta
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import PreconditionFailed, UsageError
-from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
+from marinfs.objects import Copied, ObjectVersion, PosixAttrs, s3_match
 from marinfs.remote.base import MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.recorded import Recorded
@@ -403,12 +403,12 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._recorded_attrs(key, version, attrs, metadata_only=True)  # the directory record's entry
         return version
 
-    def copy(self, src: str, dst: str) -> ObjectVersion | None:
+    def copy(self, src: str, dst: str) -> Copied | None:
         """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
         carries the source's metadata (s3fs's would drop it). Pinned to the source's ETag: the
         one our PUT or a stat saw under 5 s ago (no HEAD: rsync renames each file it has just
         written), or a fresh HEAD's if there is none or the object changed since. Answers the
-        copy's version."""
+        copy: the source's ETag it was pinned to and its own."""
         source, target = self.full(src), self.full(dst)
         with self._heads_lock:
             head: _Head | None = self._heads.get(source)
@@ -426,9 +426,8 @@ class S3Remote(Recorded, ObjectStoreRemote):
         if not etag:
             return None
         self._remember(target, _Head(etag, head.size, head.metadata, head.headers))
-        if head.etag and self.on_moved is not None:  # the copy was pinned to head.etag
-            self.on_moved(src, dst, ObjectVersion.etag(head.etag), ObjectVersion.etag(etag))
-        return ObjectVersion.etag(etag)
+        pinned = ObjectVersion.etag(head.etag) if head.etag else None  # (the copy was pinned to head.etag)
+        return Copied(src, dst, pinned, ObjectVersion.etag(etag))
 
     def _copy_object(self, source: str, target: str, head: _Head, metadata: dict[str, str] | None) -> str:
         """Copy ``source`` as it is in ``head`` (If-Match on its ETag) to ``target``; with

@@ -1,0 +1,207 @@
+"""rename(2): the remote rename of a file, link or tree, the staged files that follow it, and
+the read handles that follow their bytes to the new name.
+
+The read handles a rename moves are found under the mount's table lock (``lock``) and told
+outside it; the staged files under the source are held (their own locks, in key order)
+across the commit, the remote rename and the rekey.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import posixpath
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from marinfs.core.handles import Handle, HandleTable
+from marinfs.core.kernel import KernelView
+from marinfs.core.namespace import Namespace
+from marinfs.core.paths import entries_changed, key_of, under
+from marinfs.core.writes import Writes
+from marinfs.errors import FsError
+from marinfs.metadata import MetadataCache
+from marinfs.objects import Copied, ObjectInfo, ObjectRef, ObjectVersion
+from marinfs.reader import ObjectReader
+from marinfs.remote import Remote
+from marinfs.staging import StagedFile
+
+# A read handle to move: (handle, its key and version then, new key, new version).
+Move = tuple[Handle, str, ObjectVersion, str, ObjectVersion]
+
+
+class Renamer:
+    """File, link and directory renames made here."""
+
+    def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, handles: HandleTable,
+                 kernel: KernelView, writes: Writes, namespace: Namespace,
+                 ref: Callable[[str, ObjectInfo], ObjectRef]) -> None:
+        self.lock = lock
+        self.remote = remote
+        self.metadata = metadata
+        self.handles = handles
+        self.kernel = kernel
+        self.writes = writes
+        self.namespace = namespace
+        self.ref = ref
+
+    def rename(self, old: str, new: str) -> None:
+        src, dst = key_of(old), key_of(new)
+        if src == dst:
+            return
+        self.remote.check_key(dst)
+        if not src or dst.startswith(src + "/"):
+            raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
+        info = self.namespace.lookup(src)
+        target = self.namespace.lookup_or_none(dst)
+        self.namespace.require_dir(posixpath.dirname(dst))
+        in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
+        staged = src in self.writes.staged  # (before the rename moves it to dst)
+        copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
+        self._follow(self._moves(copies))
+        if in_place:
+            self._follow_in_place(src, dst, in_place)
+        renamed = self._renamed_info(dst, info, target, next((c for c in copies if c.src == src), None), staged)
+        if renamed is not None:  # both parents' listings stay valid: rsync renames every file
+            self.metadata.removed_own(src)
+            self.metadata.put_own(renamed)
+        else:
+            self.metadata.invalidate_tree(src)
+            self.metadata.invalidate_tree(dst)
+        entries_changed(self.remote, self.metadata, src, dst)
+        self.kernel.move_inodes(src, dst)
+
+    def _renamed_info(self, dst: str, info: ObjectInfo, target: ObjectInfo | None,
+                      copied: Copied | None, staged: bool) -> ObjectInfo | None:
+        """What a stat of ``dst`` answers after a file rename here, where this node knows it
+        all: the remote copied exactly the version ``info`` describes (``copied``: pinned to
+        that version), and the time shown is one the copy kept (a stored mtime: the copy's
+        own is new); else None (ask the remote). Not for a file with writes staged here (its
+        size may have grown since ``info``)."""
+        if (info.is_dir or info.link or (target is not None and target.link) or staged
+                or self.remote.renames_in_place):  # (a local rename is a syscall: its stat costs as much)
+            return None
+        if copied is None or copied.new is None or info.version is None or copied.old != info.version:
+            return None  # (the object changed since our stat: its size and attributes may have too)
+        if info.posix is None or info.posix.mtime_ns is None:
+            return None
+        return replace(info, name=dst, version=copied.new)
+
+    def _rename_remote(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None,
+                       new: str) -> list[Copied]:
+        """The remote rename; answers the copies the store made of what it moved."""
+        if info.is_dir:
+            if target is not None and not target.is_dir:
+                raise FsError(errno.ENOTDIR, dst)
+            if target is not None:
+                self.namespace.check_empty(dst)
+                self.remote.remove_dir(dst)
+            return self._rename_dir(src, dst)
+        if target is not None and target.is_dir:
+            raise FsError(errno.EISDIR, dst)
+        if not info.link:
+            self.namespace.file_name_allowed(dst)
+        if target is not None and target.link != info.link and self.remote.link_objects:
+            # A link and a file of one name are different objects (x.rclonelink, x): the
+            # one replaced goes first. Not atomic, like every rename on an object store.
+            if target.link:
+                self.remote.delete_link(dst)
+            else:
+                self.namespace.unlink(new)
+        if info.link:
+            self.remote.rename_link(src, dst)
+            return []
+        return self._rename_file(src, dst)
+
+    def _rename_file(self, src: str, dst: str) -> list[Copied]:
+        staged = self.writes.staged.get(src)
+        if staged is None:
+            return self._rename_file_held(src, dst, None)
+        with staged.lock:  # no flush of its writer between the remote rename and the rekey
+            return self._rename_file_held(src, dst, staged)
+
+    def _rename_file_held(self, src: str, dst: str, staged: StagedFile | None) -> list[Copied]:
+        """The file rename, with ``staged`` (the source's staged file) held by the caller."""
+        if staged is not None:
+            self.writes.commit(staged)  # the remote must hold the bytes we are about to move
+        replaced = self.writes.staged.get(dst)
+        if replaced is not None:
+            replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
+        copies = self.remote.rename(src, dst)
+        self.writes.move(src, dst)
+        return copies
+
+    def _rename_dir(self, src: str, dst: str) -> list[Copied]:
+        pending = self.writes.staged_under(src)
+        with contextlib.ExitStack() as held:
+            # Their writers' flushes wait until they are moved: one between the copy and the
+            # move would commit to the old name, gone by then (in key order: no deadlock
+            # with another rename of the tree).
+            for _, staged in pending:
+                held.enter_context(staged.lock)
+            for _, staged in pending:
+                self.writes.commit(staged)
+            # One rename(2) on a local disk; on object stores every object is copied, then the
+            # originals are deleted: not atomic (documented).
+            copies = self.remote.rename_tree(src, dst)
+            self.writes.move(src, dst)
+        return copies
+
+    # -- the read handles that follow ------------------------------------------------------------
+    def _in_place_readers(self, src: str) -> list[tuple[Handle, str, ObjectVersion]]:
+        """Before a rename(2) of ``src``: the read handles under it whose file is still the very
+        version they read (its ctime too: an in-place rewrite keeping size and mtime is not)."""
+        with self.lock:
+            found = [(handle, handle.key, handle.info.version) for handle in self.handles.all_locked()
+                     if handle.staged is None and handle.info is not None
+                     and handle.info.version is not None and under(handle.key, src)]
+        keep = []
+        for handle, key, version in found:
+            try:
+                if self.remote.stat(key).version == version:
+                    keep.append((handle, key, version))
+            except OSError:
+                pass
+        return keep
+
+    def _follow_in_place(self, src: str, dst: str, readers: list[tuple[Handle, str, ObjectVersion]]) -> None:
+        """A rename(2) here moved the files themselves: the read handles found before it follow
+        to the new names, with the version each file has now (its ctime moved on; its inode,
+        size and mtime did not, or it is not the same file, and the handle stays)."""
+        moves = []
+        for handle, was, version in readers:
+            key = dst + was[len(src):]
+            try:
+                now = self.remote.stat(key).version
+            except OSError:
+                continue
+            if now is not None and now.same_file(version):
+                moves.append((handle, was, version, key, now))
+        self._follow(moves)
+
+    def _moves(self, copies: list[Copied]) -> list[Move]:
+        """The remote made each ``dst`` a copy of exactly version ``old`` of ``src``, as its
+        version ``new``: read handles of that version follow it, as an open file on a disk
+        keeps reading after a ``mv``. Handles of another version (the source changed since
+        they opened) stay, and find it gone (ESTALE)."""
+        pinned = {c.src: c for c in copies if c.old is not None and c.new is not None}
+        if not pinned:
+            return []
+        with self.lock:
+            return [(handle, c.src, c.old, c.dst, c.new) for handle in self.handles.all_locked()
+                    if handle.staged is None and (c := pinned.get(handle.key)) is not None
+                    and handle.info is not None and handle.info.version == c.old]
+
+    def _follow(self, moves: list[Move]) -> None:
+        """Apply moves whose handle is still there as it was; their readers are told outside
+        our lock (the reader's own lock, then the fetcher's, a leaf)."""
+        readers: list[tuple[ObjectReader | None, ObjectRef]] = []
+        with self.lock:
+            for handle, was, version, key, now in moves:
+                if handle.key == was and handle.info is not None and handle.info.version == version:
+                    self.kernel.follow_locked(handle, key, now)
+                    readers.append((handle.reader, self.ref(key, handle.info)))
+        for reader, ref in readers:
+            if reader is not None:
+                reader.moved(ref)

@@ -1,0 +1,418 @@
+"""Writes: the staged files of this mount, their commits, and the commits that failed.
+
+``staged`` (key -> the file's staged bytes, shared by its writers) and ``failed_commits`` and
+``conflicts`` are guarded by the mount's table lock (``lock``); a staged file has its own lock,
+taken before the table lock, never after. A commit holds its staged file's lock from the upload
+until its stat is cached.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import posixpath
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from marinfs.commit import RETRY_NEXT_START, FailedCommit, commit_or_conflict, describe, is_permanent, retry_of
+from marinfs.core.handles import Handle
+from marinfs.core.kernel import KernelView
+from marinfs.core.paths import entries_changed, under
+from marinfs.errors import FsError, final_errno
+from marinfs.metadata import MetadataCache
+from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.recovery import Recovered, recover
+from marinfs.remote import Remote
+from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
+from marinfs.uploads import PartStream
+
+log = logging.getLogger(__name__)
+
+# fallocate(2) modes (linux/falloc.h): only plain allocation and KEEP_SIZE have a meaning for
+# a file that is uploaded whole; holes and ranges would need the object's layout.
+FALLOC_FL_KEEP_SIZE = 0x01
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def reserve(fd: int, offset: int, length: int) -> None:
+    """Reserve disk blocks for ``fd``'s range without changing its size, so a full staging
+    disk fails the fallocate (ENOSPC) rather than a later write. A staging disk that cannot
+    reserve (EOPNOTSUPP) is no error: the commit uploads the same bytes either way."""
+    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EOPNOTSUPP:
+            raise OSError(code, os.strerror(code))
+
+
+def staged_info(staged: StagedFile) -> ObjectInfo:
+    """What this node shows for a file with uncommitted bytes: its size, mtime and attributes."""
+    return ObjectInfo(name=staged.key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns,
+                      posix=staged.attrs or NO_ATTRS)
+
+
+class Writes:
+    """Staged files: made by writers, committed at flush, kept and retried when that fails."""
+
+    def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
+                 staging_dir: Path, max_file_size: int) -> None:
+        self.lock = lock
+        self.remote = remote
+        self.metadata = metadata
+        self.kernel = kernel
+        self.staging_dir = staging_dir
+        self.max_file_size = max_file_size  # EFBIG past it (check_size)
+        self.staged: dict[str, StagedFile] = {}  # GUARDED_BY(lock)
+        self.failed_commits: list[FailedCommit] = []  # GUARDED_BY(lock): bytes kept on disk, retried
+        # GUARDED_BY(lock): commits that found the object changed by someone else: key -> where the bytes went.
+        self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
+        remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
+
+    # -- staged files ------------------------------------------------------------------------------
+    def writer(self, key: str, info: ObjectInfo | None, truncate: bool, attrs: PosixAttrs | None = None) -> StagedFile:
+        """The staged file a writer opens (``KernelView.writer_opening``: not while the kernel
+        reads the file from a backing here)."""
+        with self.kernel.writer_opening(key):
+            return self.acquire(key, info, truncate, attrs=attrs)
+
+    def acquire(self, key: str, info: ObjectInfo | None, truncate: bool,
+                attrs: PosixAttrs | None = None) -> StagedFile:
+        """The staged file of ``key``, shared by its writers. An existing file's new content
+        keeps its mode, owner and xattrs (as on ext4), not its stored mtime: the next write sets it."""
+        if info is not None and info.posix is not None and not info.posix.empty:
+            attrs = replace(info.posix, mtime_ns=None)
+        with self.lock:
+            self.kernel.note_writer_locked(key)
+            staged = self.staged.get(key)
+            if staged is None:
+                base = dict(remote_url=self.remote.url, base_version=info.version if info else None,
+                            attrs=attrs)
+                if info is None or truncate or info.size == 0:
+                    staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
+                                        dirty=info is None or (truncate and info.size > 0),
+                                        stream=self._stream if self.remote.streams else None, **base)
+                else:
+                    staged = StagedFile(self.staging_dir, key, base_size=info.size,
+                                        seed=self.remote.download, **base)
+                self.staged[key] = staged
+                truncate = False
+            staged.retain()
+        if truncate:
+            staged.truncate(0)
+        return staged
+
+    def _stream(self, fd: int, key: str, expect: ObjectVersion | None, attrs: PosixAttrs | None = None) -> PartStream:
+        """A part upload of a new or truncated file; ``attrs`` (a create mode) go with it."""
+        settings = self.remote.settings
+
+        def session() -> Any:
+            if attrs is None:
+                return self.remote.part_session(key, expect)
+            return self.remote.part_session(key, expect, attrs=attrs)
+
+        return PartStream(fd, session, settings.upload_part_size, self.remote.part_pool, settings.upload_concurrency)
+
+    def release(self, staged: StagedFile) -> None:
+        """A writer closed: the last one commits what raced its close and drops the staged
+        file, or keeps its bytes (with their journal) in ``failed_commits``."""
+        with self.lock:
+            if staged.let_go() > 0:
+                return
+        try:
+            # Normally flush committed already; this catches writes that raced the last close.
+            # Bytes whose commit just failed go straight to the retry list (the retry loop).
+            if not staged.failed_unchanged:
+                self.commit(staged)
+        except Exception:  # noqa: BLE001 - release cannot report; discard() keeps the bytes
+            pass  # logged below, once, if the bytes stay uncommitted
+        with self.lock:
+            if staged.refs > 0:
+                return  # reopened meanwhile
+            # By identity: a directory rename may have moved it in the table but not yet
+            # given it its new key (see move).
+            for key in [k for k, s in self.staged.items() if s is staged]:
+                del self.staged[key]
+        staged.discard()
+        self._abort_leftovers(staged)
+        if staged.kept:
+            error = staged.last_error
+            code = final_errno(error) if error is not None else None
+            entry = FailedCommit(staged.key, staged.path, describe(error) if error else "",
+                                 error is not None and is_permanent(error), attempts=max(1, staged.failures),
+                                 since=time.time(), retry=retry_of(code))
+            if code is not None:  # the next daemon leaves it alone too (or, denied, tries it once)
+                mark_final(staged.journal_path, entry.error, code)
+            with self.lock:
+                self.failed_commits.append(entry)
+            _report_failed(entry, None)
+
+    def dirty(self, key: str) -> StagedFile | None:
+        """``key``'s staged file if it holds bytes the remote lacks (what this node shows)."""
+        staged = self.staged.get(key)
+        return staged if staged is not None and staged.dirty else None
+
+    def in_dir(self, key: str) -> list[StagedFile]:
+        """Staged files directly in directory ``key`` (new ones are shown before their commit)."""
+        with self.lock:
+            return [s for k, s in self.staged.items() if posixpath.dirname(k) == key]
+
+    def any_under(self, key: str) -> bool:
+        with self.lock:
+            return any(k.startswith(key + "/") for k in self.staged)
+
+    def pending(self) -> list[str]:
+        """Keys with uncommitted bytes."""
+        with self.lock:
+            return sorted(k for k, st in self.staged.items() if st.dirty and not st.unlinked)
+
+    # -- writes by handle ------------------------------------------------------------------------
+    def check_size(self, size: int) -> None:
+        """A file may grow to ``size`` bytes: else EFBIG, as a disk answers past its largest file."""
+        if size > self.max_file_size:
+            raise FsError(errno.EFBIG, f"{size} bytes is more than --max-file-size ({self.max_file_size})")
+
+    def write(self, handle: Handle, data: bytes | memoryview, offset: int) -> int:
+        """``data`` may be a view of the FUSE request buffer: used during the call, never kept."""
+        if handle.staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        self.check_size((handle.staged.known_size() if handle.append else offset) + len(data))
+        return handle.staged.write(data, None if handle.append else offset)
+
+    def truncate_open(self, handle: Handle, length: int) -> None:
+        if handle.staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        handle.staged.truncate(length)
+
+    def fallocate(self, handle: Handle, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on a file open for writing, applied to its staged file: mode 0 reserves
+        and extends the size like ext4 (zeros, committed at close); KEEP_SIZE only reserves.
+        Punching holes, zeroing or collapsing ranges: EOPNOTSUPP (the object is uploaded whole;
+        a hole is just zeros to write). Read-only handle: EBADF, as ext4 (the kernel checks that
+        itself before it reaches us)."""
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        staged = handle.staged
+        if staged is None:
+            raise FsError(errno.EBADF, "file not open for writing")
+        if not mode & FALLOC_FL_KEEP_SIZE:
+            self.check_size(offset + length)
+        with staged.lock:
+            reserve(staged.fd, offset, length)  # ENOSPC here changes nothing
+            if not mode & FALLOC_FL_KEEP_SIZE and offset + length > staged.known_size():
+                staged.truncate(offset + length)  # the new bytes are zeros, as on ext4
+
+    # -- commits ----------------------------------------------------------------------------------
+    def commit(self, staged: StagedFile) -> None:
+        """Commit on close: returns only once the remote has the bytes, or raises its error."""
+        with staged.lock:  # (a rename's rekey, a chmod: not between the upload and the cache)
+            self.commit_locked(staged)
+
+    def commit_locked(self, staged: StagedFile) -> None:
+        """``commit`` with ``staged.lock`` held."""
+        if not staged.dirty or staged.unlinked:
+            return
+        key = staged.key
+        token = self.metadata.begin_stat(key)
+        try:
+            done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect,
+                                                                      set_attrs=self.remote.set_attrs),
+                                      key, staged.base_version, Path(staged.path))
+        except BaseException as exc:
+            self.metadata.invalidate(key)
+            staged.commit_failed(exc)
+            raise
+        finally:
+            self.kernel.forget_version(key)
+        if done.conflict:
+            # Someone else replaced (or removed) the object under our writer: it was not
+            # overwritten, our bytes are beside it, and close() says so (docs/semantics.md).
+            self.metadata.invalidate(key)
+            self.metadata.invalidate(done.committed_as)
+            with self.lock:
+                self.conflicts.append({"key": key, "committed_as": done.committed_as})
+            raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened")
+        version = done.version
+        if version is not None:
+            # The upload answered the new version (S3 ETag, GCS generation): that and the size
+            # we wrote are the object's metadata; its timestamp is shown as the writer's below.
+            info = ObjectInfo(name=key, is_dir=False, size=staged.known_size(), mtime_ns=staged.mtime_ns,
+                              version=version, posix=staged.attrs or NO_ATTRS)
+        else:
+            # Learn the committed object's own metadata (version, timestamp) now: a listing will
+            # report the same, so tools that compare stats (tar) never see a change that was not.
+            self.metadata.forget(key)
+            token = self.metadata.begin_stat(key)
+            try:
+                info = self.remote.stat(key)
+            except FileNotFoundError:
+                self.metadata.invalidate(key)
+                return  # unlinked or renamed meanwhile by someone else
+            except BaseException:
+                self.metadata.end_stat(key, token, None)
+                raise
+        # The next commit of this file replaces exactly what we wrote: the version the upload
+        # answered (a stat could already show a later writer's object), else the stat's.
+        staged.rebase(version or info.version)
+        self._abort_leftovers(staged)
+        # The kernel may still hold the writer's mtime for a moment: keep showing it for the
+        # version we wrote, so tools that compare stats (tar) do not see a change that was not.
+        if info.version:
+            self.kernel.wrote(key, info.version, staged.mtime_ns)
+        self.metadata.put_own(info, token)
+        entries_changed(self.remote, self.metadata, key)
+
+    def _upload_session(self, local_path: str, record: dict[str, Any], opened: bool) -> None:
+        """An upload of staging file ``local_path`` opened (or ended) a session the store keeps
+        apart: its staged file journals it, or, for a replay of a kept commit, its journal."""
+        with self.lock:
+            staged = next((st for st in self.staged.values() if st.path == local_path), None)
+        if staged is not None:
+            staged.note_upload(record, opened)
+        else:
+            try:
+                note_upload_in_journal(local_path + JOURNAL_SUFFIX, record, opened)
+            except (OSError, ValueError) as exc:
+                if opened:
+                    raise  # not begun: nobody could find it again
+                log.debug("could not note the end of an upload in %s: %s", local_path, exc)
+
+    def _abort_leftovers(self, staged: StagedFile) -> None:
+        """Abort upload sessions of ``staged`` that no journal names any more (their own abort
+        failed, or is still on its way: a second one is harmless). Rare, so here and now: a
+        background abort could be cancelled by the unmount that follows."""
+        for record in staged.take_leftover_uploads():
+            try:
+                self.remote.abort_upload(record)
+            except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
+                log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
+
+    # -- names that change here ---------------------------------------------------------------------
+    def unlinked(self, key: str) -> StagedFile | None:
+        """``key`` is being unlinked: its open staged file keeps its bytes for its descriptors
+        and is never committed. Answers it (None: none open)."""
+        open_staged = self.staged.get(key)
+        if open_staged is not None:
+            open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
+        with self.lock:
+            staged = self.staged.pop(key, None)
+        if staged is not None:  # (its lock waits for a commit in flight: never under ours)
+            staged.mark_unlinked()  # open handles keep working; nothing is committed
+        return staged
+
+    def staged_under(self, tree: str) -> list[tuple[str, StagedFile]]:
+        """The staged files inside directory ``tree``, in key order."""
+        with self.lock:
+            return sorted((k, s) for k, s in self.staged.items() if k.startswith(tree + "/"))
+
+    def move(self, src: str, dst: str) -> None:
+        """Open staged files follow their rename, so later writes commit under the new name.
+        A replaced target that is still open becomes nameless, as on a local disk."""
+        with self.lock:
+            replaced = self.staged.pop(dst, None)
+            moving = [k for k in self.staged if under(k, src)]
+            moves = []
+            for k in moving:
+                staged = self.staged.pop(k)
+                self.staged[dst + k[len(src):]] = staged
+                moves.append((staged, dst + k[len(src):]))
+        for staged, new_key in moves:
+            staged.rekey(new_key)  # (its lock outside ours: a rename holds it while it takes ours)
+            # The rename made a new object: the writer's next commit replaces that one.
+            try:
+                staged.rebase(self.remote.stat(staged.key).version)
+            except FileNotFoundError:
+                staged.rebase(None)
+        if replaced is not None:
+            replaced.mark_unlinked()
+
+    # -- kept commits ---------------------------------------------------------------------------------
+    def retry_failed_commits(self) -> list[Recovered]:
+        """Commit again what failed before (the daemon calls this every commit retry interval).
+        Nothing to retry (none failed, or only finally): nothing is asked of the remote."""
+        with self.lock:
+            if not any(not f.final for f in self.failed_commits):
+                return []
+        return self.recover_staged()
+
+    def recover_staged(self, at_start: bool = False) -> list[Recovered]:
+        """Replay every journal in the staging directory whose file is not open here (a crashed
+        run's, or a failed commit's), and merge what still fails into ``failed_commits``.
+        Journals of final failures are left alone (``at_start``: access refusals are tried once
+        more), and listed.
+
+        The remote is called without ``lock``: a close failing meanwhile appends its own entry,
+        and the merge keeps it unless this pass committed its bytes."""
+        with self.lock:
+            before = {f.staged: f for f in self.failed_commits}
+        results = recover(self.staging_dir, self.remote, self.open_staging_files(), at_start=at_start)
+        now = time.time()
+        reports: list[tuple[FailedCommit, FailedCommit | None]] = []
+        with self.lock:
+            seen = {r.staged for r in results}
+            current = {f.staged: f for f in self.failed_commits}
+            # Entries this pass did not look at (appended while it ran) stay as they are.
+            merged = {k: f for k, f in current.items() if k not in before and k not in seen}
+            for r in results:
+                if r.committed_as is not None:
+                    if r.conflict:
+                        self.conflicts.append({"key": r.key, "committed_as": r.committed_as})
+                    continue
+                prev = current.get(r.staged) or before.get(r.staged)
+                if not r.tried and prev is not None:
+                    merged[r.staged] = prev  # a final failure this daemon knows: nothing new
+                    continue
+                entry = FailedCommit(r.key, r.staged, r.error or "", r.permanent,
+                                     attempts=(prev.attempts if prev else 0) + (1 if r.tried else 0) or 1,
+                                     since=prev.since if prev else now, retry=retry_of(r.final))
+                merged[r.staged] = entry
+                reports.append((entry, None if not r.tried else prev))
+            self.failed_commits[:] = merged.values()
+        for entry, prev in reports:
+            _report_failed(entry, prev)
+        return results
+
+    def upload_status(self) -> dict[str, Any]:
+        """Open files with uncommitted bytes, and commits that failed (their bytes kept on disk)."""
+        with self.lock:
+            pending = sorted(k for k, st in self.staged.items() if st.dirty and not st.unlinked)
+            failed = [f.as_dict() for f in self.failed_commits]
+            conflicts = list(self.conflicts)
+        return {"pending": pending, "failed": failed, "conflicts": conflicts}
+
+    def open_staging_files(self) -> frozenset[str]:
+        """Staging files of files open right now (recovery must leave them to their writers)."""
+        with self.lock:
+            return frozenset(st.path for st in self.staged.values())
+
+
+def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:
+    """One ERROR line when the bytes are first kept, or when a failure turns out to be one
+    that retrying will not cure; later attempts: WARNING if it may pass, else quietly. A
+    final failure is reported once by the daemon that met it (and once more by a daemon
+    that finds it kept, at its start) and never again: it is not retried in a loop."""
+    if entry.final and not (prev is not None and prev.final):
+        when = ("it is tried once more at the next start (fix the credentials or the bucket's policy, "
+                "then remount)" if entry.retry == RETRY_NEXT_START else "it is never tried again")
+        log.error("cannot commit %s: %s; no retry can change this, so %s; its bytes are kept in %s",
+                  entry.key, entry.error, when, entry.staged)
+    elif entry.final:
+        log.debug("commit of %s still fails finally: %s", entry.key, entry.error)
+    elif entry.permanent and not (prev is not None and prev.permanent):
+        log.error("cannot commit %s: %s; this will not pass by retrying (check the credentials and the "
+                  "bucket); its bytes are kept in %s and retried", entry.key, entry.error, entry.staged)
+    elif prev is None:
+        log.error("commit of %s failed: %s; its bytes are kept in %s and retried",
+                  entry.key, entry.error, entry.staged)
+    elif entry.permanent:
+        log.debug("commit of %s still fails (attempt %d): %s", entry.key, entry.attempts, entry.error)
+    else:
+        log.warning("commit of %s failed again (attempt %d): %s; its bytes stay in %s",
+                    entry.key, entry.attempts, entry.error, entry.staged)
