@@ -2,6 +2,8 @@
 
 Each field's default is the only place that default is written; flags, the TOML file,
 MARINFS_* variables, fstab options, the background child and docs/usage.md read it from here.
+
+``python -m marinfs.config > table.md`` prints docs/usage.md's settings table.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from pathlib import Path
 
 from marinfs.errors import UsageError
 from marinfs.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
-                              PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, parse_mode, parse_size,
-                              parse_storage_option, setting, table)
+                              PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, markdown_table, normalize_remote,
+                              parse_mode, parse_size, parse_storage_option, setting, table)
 
 def cache_root() -> Path:
     """Where default cache directories live: /var/cache/marinfs for root, else the XDG cache dir."""
@@ -33,29 +35,6 @@ def default_cache_dir(remote: str, mountpoint: str) -> Path:
     key = f"{remote}\0{os.path.abspath(mountpoint)}"
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{remote}/{mountpoint}").strip("_.")[:80]
     return cache_root() / f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def normalize_remote(remote: str, cwd: str | None = None) -> str:
-    """Normalize a prefix the way Marin does: no trailing '/', no '//', local paths absolute.
-
-    ``s3://b//p/`` -> ``s3://b/p``; ``./data`` -> ``/current/dir/data``; ``file:///x`` -> ``/x``.
-    """
-    remote = remote.strip()
-    if not remote:
-        raise UsageError("the remote prefix is empty")
-    if "://" in remote:
-        scheme, _, rest = remote.partition("://")
-        scheme = scheme.lower()
-        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-            raise UsageError(f"bad URL scheme in {remote!r}")
-        if scheme in ("file", "local"):
-            return normalize_remote(rest or "/", cwd)
-        rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
-        if not rest:
-            raise UsageError(f"{remote!r} names no bucket")
-        return f"{scheme}://{rest}"
-    path = os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(remote)))
-    return re.sub(r"/{2,}", "/", path)
 
 
 # uid_t and gid_t are 32 bits, and (uid_t) -1 means "unchanged" to chown(2): never an owner.
@@ -263,3 +242,7 @@ class RemoteSettings:
 
 __all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "cache_root", "default_cache_dir",
            "normalize_remote", "parse_mode", "parse_size", "parse_storage_option"]
+
+
+if __name__ == "__main__":  # python -m marinfs.config > table.md: regenerate the docs table
+    print(markdown_table(SETTINGS))

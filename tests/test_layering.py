@@ -32,13 +32,6 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-# Known upward imports, each with its reason; the list should only shrink.
-UPWARD = {
-    # settings.py defers to config.py from inside functions (the remote converter reuses
-    # config.normalize_remote; `python -m marinfs.settings` prints config.SETTINGS): config
-    # imports settings at the top, so the two are one unit in two files.
-    ("settings", "config"),
-}
 # Only marinfs/remote/ may import these.
 BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "botocore", "aiobotocore", "obstore", "urllib3", "aiohttp",
                      "requests", "httpx"}
@@ -95,7 +88,7 @@ def test_nothing_imports_a_layer_above(name: str) -> None:
     path = _modules()[name]
     for imported in _imports(path):
         ours = _ours(imported)
-        if ours is None or ours == name or (name, ours) in UPWARD:
+        if ours is None or ours == name:
             continue
         assert ours in RANK, f"{name} imports unknown module {imported}"
         assert RANK[ours] < RANK[name], f"{name} (layer {RANK[name]}) imports {imported} (layer {RANK[ours]})"
