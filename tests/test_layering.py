@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead"},
+    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead",
+     "remote.settings"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
@@ -98,3 +101,15 @@ def test_nothing_imports_a_layer_above(name: str) -> None:
 def test_only_the_remote_package_imports_backend_libraries(name: str) -> None:
     used = {imported.split(".", 1)[0] for imported in _imports(_modules()[name])} & BACKEND_LIBRARIES
     assert not used, f"marinfs/{name} imports {sorted(used)}: route it through marinfs/remote/"
+
+
+def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
+    """config.py takes RemoteSettings from marinfs/remote/; the package loads its backends (and
+    fsspec, s3fs, gcsfs...) only when a name needs them, so the CLI, mount.marinfs and marinfs
+    status start without them."""
+    code = ("import sys, marinfs.cli, marinfs.mount_helper, marinfs.status\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]"
+            " or m == 'marinfs.remote.base')))")
+    loaded = subprocess.run([sys.executable, "-c", code, *sorted(BACKEND_LIBRARIES)], capture_output=True,
+                            text=True, check=True, cwd=PACKAGE.parent).stdout.split()
+    assert loaded == []

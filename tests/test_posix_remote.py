@@ -17,10 +17,9 @@ import pytest
 
 from conftest import object_store
 from marinfs import posixmeta as pm
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
-from marinfs.remote import GenericRemote, Remote
+from marinfs.remote import GenericRemote, Remote, RemoteSettings
 from mounting import fsspec_client
 
 T2020 = 1577923200_000000000  # 2020-01-02T00:00:00Z
@@ -321,7 +320,7 @@ MiB = 1 << 20
 @pytest.fixture(params=["s3", "gcs"])
 def store(request: pytest.FixtureRequest) -> Iterator[tuple[Remote, Any, str]]:
     """(a Remote of a fresh prefix with 5 MiB parts, a direct fsspec client, the prefix's path)."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url, options, _ = object_store(request, request.param)
     remote = Remote(url, options, RemoteSettings(upload_part_size=5 * MiB))

@@ -19,10 +19,9 @@ import pytest
 
 from conftest import object_store
 from faults import TcpProxy
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError
 from marinfs.fs import Filesystem
-from marinfs.remote import Remote
+from marinfs.remote import Remote, RemoteSettings
 from marinfs.uploads import PartStream
 from mounting import MARINFS, daemon_pid, fsspec_client, subprocess_mount
 

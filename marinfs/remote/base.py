@@ -29,10 +29,10 @@ from typing import Any, ClassVar, TypeVar
 import fsspec
 import fsspec.config
 
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.errors import is_final as errors_is_final
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.remote.settings import RemoteSettings
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
