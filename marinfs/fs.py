@@ -38,7 +38,7 @@ from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs, cac
 from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import LINK_SUFFIX, Remote
-from marinfs.uploads import PartStream
+from marinfs.remote.parts import PartStream
 from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
 from marinfs.threadnames import start_thread
 from marinfs.walkahead import WalkAhead

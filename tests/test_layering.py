@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead",
-     "remote.settings"},
+    {"settings", "mounts", "chunkcache", "metadata", "commit", "posixmeta", "walkahead",
+     "remote.settings", "remote.dirmeta", "remote.parts"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
@@ -104,10 +104,10 @@ def test_only_the_remote_package_imports_backend_libraries(name: str) -> None:
 
 
 def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
-    """config.py takes RemoteSettings from marinfs/remote/; the package loads its backends (and
-    fsspec, s3fs, gcsfs...) only when a name needs them, so the CLI, mount.marinfs and marinfs
-    status start without them."""
-    code = ("import sys, marinfs.cli, marinfs.mount_helper, marinfs.status\n"
+    """config.py takes RemoteSettings and the writer PartStream from marinfs/remote/; the
+    package loads its backends (and fsspec, s3fs, gcsfs...) only when a name needs them, so the
+    CLI, mount.marinfs and marinfs status start without them."""
+    code = ("import sys, marinfs.cli, marinfs.mount_helper, marinfs.staging, marinfs.status\n"
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]"
             " or m == 'marinfs.remote.base')))")
     loaded = subprocess.run([sys.executable, "-c", code, *sorted(BACKEND_LIBRARIES)], capture_output=True,

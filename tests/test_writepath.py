@@ -22,7 +22,7 @@ from faults import TcpProxy
 from marinfs.errors import FsError
 from marinfs.fs import Filesystem
 from marinfs.remote import Remote, RemoteSettings
-from marinfs.uploads import PartStream
+from marinfs.remote.parts import PartStream
 from mounting import MARINFS, daemon_pid, fsspec_client, subprocess_mount
 
 MiB = 1 << 20

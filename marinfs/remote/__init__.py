@@ -4,9 +4,9 @@ for the URL: local.py, generic.py (memory and any other fsspec filesystem), s3.p
 
 The backends, and the libraries with them, load at the first use of a name below that needs
 them, not at ``import marinfs.remote``: what the layers above take from the package's ground
-floor (settings.py, for config.py) comes without them, so ``marinfs status``,
-``mount.marinfs`` and the CLI's checks start without s3fs and gcsfs (tests/test_layering.py
-checks it).
+floor (settings.py for config.py, parts.py for the writer) comes without them, so ``marinfs
+status``, ``mount.marinfs`` and the CLI's checks start without s3fs and gcsfs
+(tests/test_layering.py checks it).
 """
 
 from __future__ import annotations

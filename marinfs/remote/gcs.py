@@ -35,8 +35,8 @@ from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs, gcs_match
 from marinfs.remote.base import TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.gcshttp import GCSHttp, usable
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.parts import Counter, Runner
 from marinfs.remote.recorded import Recorded
-from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from marinfs.errors import PreconditionFailed, UsageError
 from marinfs.objects import ObjectVersion, PosixAttrs, s3_match
 from marinfs.remote.base import MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.parts import Counter, Runner
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import CHECKSUMS, ChecksumNotChecked, Presigner, S3Http
 from marinfs.remote.s3obstore import ObstoreGetter, Unusable, representable
-from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
