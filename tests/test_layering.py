@@ -1,11 +1,13 @@
 """The layers of docs/architecture.md, checked: every module imports (no cycle), nothing imports
-a module above it (function-level imports included), and only marinfs/remote/ touches fsspec,
-the cloud clients or an HTTP client."""
+a module above it (function-level imports included), marinfs/remote/ imports nothing of ours
+but the ground floor, and only marinfs/remote/ touches fsspec, the cloud clients or an HTTP
+client."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 
 # Lowest first; a module may import only modules of a lower layer. Keep in step with the table
-# in docs/architecture.md.
+# in docs/architecture.md (test_the_architecture_table_is_these_layers).
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
     {"settings", "mounts", "chunkcache", "metadata", "commit", "posixmeta", "walkahead",
@@ -35,6 +37,9 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# What marinfs/remote/ may import besides its own modules: value types and conversions that
+# import nothing above them ("marinfs" is the package's __init__, its version).
+GROUND = {"marinfs", "errors", "objects", "checksums", "threadnames", "posixmeta"}
 # Only marinfs/remote/ may import these.
 BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "botocore", "aiobotocore", "obstore", "urllib3", "aiohttp",
                      "requests", "httpx"}
@@ -103,6 +108,18 @@ def test_only_the_remote_package_imports_backend_libraries(name: str) -> None:
     assert not used, f"marinfs/{name} imports {sorted(used)}: route it through marinfs/remote/"
 
 
+def _is_remote(name: str) -> bool:
+    return name == "remote" or name.startswith("remote.")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _modules() if _is_remote(n)))
+def test_the_remote_package_imports_only_the_ground_floor(name: str) -> None:
+    for imported in _imports(_modules()[name]):
+        ours = _ours(imported)
+        assert ours is None or _is_remote(ours) or ours in GROUND, \
+            f"{name} imports {imported}: marinfs/remote/ takes only {sorted(GROUND)} from outside it"
+
+
 def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
     """config.py takes RemoteSettings and the writer PartStream from marinfs/remote/; the
     package loads its backends (and fsspec, s3fs, gcsfs...) only when a name needs them, so the
@@ -113,3 +130,14 @@ def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
     loaded = subprocess.run([sys.executable, "-c", code, *sorted(BACKEND_LIBRARIES)], capture_output=True,
                             text=True, check=True, cwd=PACKAGE.parent).stdout.split()
     assert loaded == []
+
+
+def test_the_architecture_table_is_these_layers() -> None:
+    """docs/architecture.md's module table gives each module the layer LAYERS gives it."""
+    text = (PACKAGE.parent / "docs/architecture.md").read_text()
+    table: dict[str, int] = {}
+    for layer, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M):
+        for path in re.findall(r"`([\w/]+)\.py`", cell):
+            table[path.removesuffix("/__init__").replace("/", ".")] = int(layer)
+    table["marinfs"] = 0  # marinfs/__init__.py: the version, no row of its own
+    assert table == RANK
