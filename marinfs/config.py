@@ -1,7 +1,10 @@
 """Mount configuration: one frozen dataclass whose fields are the settings table (settings.py).
 
-Each field's default is the only place that default is written; flags, the TOML file,
-MARINFS_* variables, fstab options, the background child and docs/usage.md read it from here.
+Each field's default is the only place that default is written (the rows a remote is told take
+theirs from RemoteSettings, remote/settings.py); flags, the TOML file, MARINFS_* variables,
+fstab options, the background child and docs/usage.md read it from here.
+
+``python -m marinfs.config > table.md`` prints docs/usage.md's settings table.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marinfs.errors import UsageError
+from marinfs.remote.settings import RemoteSettings
 from marinfs.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
-                              PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, parse_mode, parse_size,
-                              parse_storage_option, setting, table)
+                              PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, markdown_table, normalize_remote,
+                              parse_mode, parse_size, parse_storage_option, setting, table)
 
 def cache_root() -> Path:
     """Where default cache directories live: /var/cache/marinfs for root, else the XDG cache dir."""
@@ -35,34 +39,12 @@ def default_cache_dir(remote: str, mountpoint: str) -> Path:
     return cache_root() / f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def normalize_remote(remote: str, cwd: str | None = None) -> str:
-    """Normalize a prefix the way Marin does: no trailing '/', no '//', local paths absolute.
-
-    ``s3://b//p/`` -> ``s3://b/p``; ``./data`` -> ``/current/dir/data``; ``file:///x`` -> ``/x``.
-    """
-    remote = remote.strip()
-    if not remote:
-        raise UsageError("the remote prefix is empty")
-    if "://" in remote:
-        scheme, _, rest = remote.partition("://")
-        scheme = scheme.lower()
-        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-            raise UsageError(f"bad URL scheme in {remote!r}")
-        if scheme in ("file", "local"):
-            return normalize_remote(rest or "/", cwd)
-        rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
-        if not rest:
-            raise UsageError(f"{remote!r} names no bucket")
-        return f"{scheme}://{rest}"
-    path = os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(remote)))
-    return re.sub(r"/{2,}", "/", path)
-
-
 # uid_t and gid_t are 32 bits, and (uid_t) -1 means "unchanged" to chown(2): never an owner.
 UID_MAX = 2**32 - 2
 
 _NOT_FSTAB = frozenset({FLAG, TOML, ENV, CHILD})  # a list or table has no place in a comma-separated -o
 _ENV_ONLY = frozenset({ENV, CHILD})  # MARINFS_<KEY> only; a background daemon gets it by environment
+_REMOTE = RemoteSettings()  # the defaults of the rows remote_settings() passes on
 
 
 @dataclass(frozen=True)
@@ -168,9 +150,12 @@ class MountConfig:
     metrics_addr: str = setting("127.0.0.1", kind=ADDRESS,
                                 help="address the metrics server binds (local only unless you change it)")
     # Remote calls: bounded time and attempts, so a wedged request never hangs a syscall.
-    connect_timeout: float = setting(30.0, kind=SECONDS, low=0, help="seconds to connect to the remote")
-    read_timeout: float = setting(120.0, kind=SECONDS, low=0, help="seconds a remote response may stall")
-    retries: int = setting(5, kind=INT, low=1, help="attempts per remote call for transient failures")
+    connect_timeout: float = setting(_REMOTE.connect_timeout, kind=SECONDS, low=0,
+                                     help="seconds to connect to the remote")
+    read_timeout: float = setting(_REMOTE.read_timeout, kind=SECONDS, low=0,
+                                  help="seconds a remote response may stall")
+    retries: int = setting(_REMOTE.attempts, kind=INT, low=1,
+                           help="attempts per remote call for transient failures")
     mount_timeout: float = setting(60.0, kind=SECONDS, low=0,
                                    help="seconds `mount` (and the daemon) wait for the mount to come up")
     # Unmount and SIGTERM wait this long for pending commits; what is left keeps its journal
@@ -190,21 +175,21 @@ class MountConfig:
     # The read path's switches (docs/backends.md): for comparisons, and for a store that refuses
     # one of our paths. Environment only, and passed to a background daemon the same way.
     direct_get: bool = setting(
-        True, kind=BOOL, routes=_ENV_ONLY, child_env=True,
+        _REMOTE.direct_get, kind=BOOL, routes=_ENV_ONLY, child_env=True,
         help="requests sent by marinfs itself (S3: presigned URLs, obstore; GCS: chunk fetches); `0`: "
              "everything through s3fs or gcsfs",
         doc="requests sent by marinfs itself (S3: reads, small PUTs, parts and listings as presigned URLs, "
             "and obstore; GCS: chunk fetches); `0`: every request through s3fs or gcsfs (see "
             "[backends.md](backends.md#what-object-stores-change))")
     obstore: bool = setting(
-        True, kind=BOOL, routes=_ENV_ONLY, child_env=True, doc_default="on (where obstore is installed)",
+        _REMOTE.obstore, kind=BOOL, routes=_ENV_ONLY, child_env=True, doc_default="on (where obstore is installed)",
         help="S3: pinned ranged reads through obstore (Rust, the lock released); `0`: never obstore")
     get: str = setting(
-        "socket", kind=CHOICE, choices=("socket", "obstore"), routes=_ENV_ONLY, child_env=True,
+        _REMOTE.get, kind=CHOICE, choices=("socket", "obstore"), routes=_ENV_ONLY, child_env=True,
         help="S3 chunk fetches: `socket` (the body read into the chunk's buffer) or `obstore` (its answer "
              "copied in)")
     part_checksum: str = setting(
-        "crc32c", kind=CHOICE, choices=("crc32c", "md5"), routes=_ENV_ONLY, child_env=True,
+        _REMOTE.part_checksum, kind=CHOICE, choices=("crc32c", "md5"), routes=_ENV_ONLY, child_env=True,
         doc_default="`crc32c` (`md5` without google-crc32c's C library)",
         help="S3: what each upload part sent by marinfs carries: `crc32c` or `md5` (`Content-MD5`, for a store "
              "that does not check CRC-32C)")
@@ -233,33 +218,9 @@ class MountConfig:
 
 SETTINGS: tuple[Setting, ...] = table(MountConfig)
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
-_DEFAULTS = {s.name: s.default for s in SETTINGS}
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """Bounds on every remote call, so a wedged request fails instead of hanging a syscall."""
-
-    connect_timeout: float = _DEFAULTS["connect_timeout"]
-    read_timeout: float = _DEFAULTS["read_timeout"]
-    attempts: int = _DEFAULTS["retries"]
-    backoff_base: float = 0.25
-    backoff_max: float = 10.0
-    # Commits to S3/GCS go in parts of this size (S3 allows 10,000 of them: 160 GB at 16 MiB;
-    # bigger files get bigger parts, so 10,000 of them cover up to 5 TiB), with at
-    # most ``upload_concurrency`` parts in flight per file (S3 sends them from the staging
-    # file, 1 MiB of memory each; GCS holds each in memory) and 2x+2 sending threads a mount.
-    # Not smaller: against SeaweedFS, 5 and 8 MiB parts cost the server the same CPU per GiB
-    # as 16 MiB and the daemon more, and shorten only the close-time tail, a small part of a
-    # big write (docs/benchmarks-notebook.md, branch `gcsw`); fewer parts mean fewer requests on S3.
-    upload_part_size: int = 16 << 20
-    upload_concurrency: int = 4
-    # The read path's switches (MountConfig's rows of the same names).
-    direct_get: bool = _DEFAULTS["direct_get"]
-    obstore: bool = _DEFAULTS["obstore"]
-    get: str = _DEFAULTS["get"]
-    part_checksum: str = _DEFAULTS["part_checksum"]
-
-
-__all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "RemoteSettings", "cache_root", "default_cache_dir",
+__all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "cache_root", "default_cache_dir",
            "normalize_remote", "parse_mode", "parse_size", "parse_storage_option"]
+
+
+if __name__ == "__main__":  # python -m marinfs.config > table.md: regenerate the docs table
+    print(markdown_table(SETTINGS))

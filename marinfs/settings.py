@@ -194,9 +194,30 @@ def _dir(v: object, base: str | None) -> Path:
     return Path(_path(v, base))
 
 
-def _remote(v: object, base: str | None) -> str:
-    from marinfs.config import normalize_remote
+def normalize_remote(remote: str, cwd: str | None = None) -> str:
+    """Normalize a prefix the way Marin does: no trailing '/', no '//', local paths absolute.
 
+    ``s3://b//p/`` -> ``s3://b/p``; ``./data`` -> ``/current/dir/data``; ``file:///x`` -> ``/x``.
+    """
+    remote = remote.strip()
+    if not remote:
+        raise UsageError("the remote prefix is empty")
+    if "://" in remote:
+        scheme, _, rest = remote.partition("://")
+        scheme = scheme.lower()
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+            raise UsageError(f"bad URL scheme in {remote!r}")
+        if scheme in ("file", "local"):
+            return normalize_remote(rest or "/", cwd)
+        rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
+        if not rest:
+            raise UsageError(f"{remote!r} names no bucket")
+        return f"{scheme}://{rest}"
+    path = os.path.normpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(remote)))
+    return re.sub(r"/{2,}", "/", path)
+
+
+def _remote(v: object, base: str | None) -> str:
     try:
         return normalize_remote(_text(v, base), cwd=base)
     except UsageError as exc:
@@ -420,9 +441,3 @@ def markdown_table(rows: tuple[Setting, ...]) -> str:
         out.append(f"| {key} | {flag} | {fstab} | {s.describe_default()} | {s.doc or s.help} |")
     return "\n".join(out)
 
-
-if __name__ == "__main__":  # python -m marinfs.settings > table.md: regenerate the docs table
-    from marinfs.config import SETTINGS
-    from marinfs.settings import markdown_table as table_of  # not __main__'s copy of the kinds
-
-    print(table_of(SETTINGS))

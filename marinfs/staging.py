@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
-from marinfs.uploads import PartStream
+from marinfs.remote.parts import PartStream
 
 log = logging.getLogger(__name__)
 JOURNAL_SUFFIX = ".journal.json"

@@ -256,7 +256,7 @@ def test_a_key_the_store_calls_too_long_is_final_never_retried() -> None:
     as its cause, whose class name is also aiohttp's transient one: it was retried, then EIO."""
     import botocore.exceptions
 
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
     from marinfs.remote import Remote
     from marinfs.remote.base import is_final, is_transient
 

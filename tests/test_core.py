@@ -1053,7 +1053,7 @@ def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path)
 def test_an_unreachable_gcs_fails_within_our_retries_not_gcsfs_s() -> None:
     """gcsfs retries each request 6 times with 31 s of sleeps between; ours is the one bounded
     loop, so an unreachable GCS is EIO after our attempts, each request counted."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
     from servers import free_port
 
     remote = Remote("gs://marin/p", {"endpoint_url": f"http://127.0.0.1:{free_port()}", "token": "anon",

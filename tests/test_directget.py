@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 
 from marinfs import configfile
-from marinfs.config import RemoteSettings
 from marinfs.remote.s3http import S3Http
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
-from marinfs.remote import Remote
+from marinfs.remote import Remote, RemoteSettings
 from marinfs.objects import ABSENT
 
 from scripted import ScriptedHandler, serving
@@ -300,7 +299,7 @@ def test_parts_are_signed_per_part_and_carry_their_md5(server: str) -> None:
 
 
 def test_multipart_commits_go_direct(s3_server: Any, tmp_path: Any) -> None:
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
     remote = Remote(url, s3_server.storage_options(), RemoteSettings(upload_part_size=5 << 20))
@@ -341,7 +340,7 @@ def test_a_refused_direct_request_falls_back_to_s3fs(s3_server: Any, tmp_path: A
     """A store that refuses what we sign ourselves (403) but takes s3fs's requests costs speed,
     never a commit, a read or a listing: the request is sent again through s3fs, and every later
     one goes there at once."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
     remote = Remote(url, s3_server.storage_options(), RemoteSettings(upload_part_size=5 << 20))
@@ -826,7 +825,7 @@ def _spy_parts(remote: Remote) -> list[dict[str, str]]:
 def test_multipart_parts_carry_a_crc32c_seaweedfs_checks(s3_server: Any, tmp_path: Any) -> None:
     """SeaweedFS checks a part's CRC-32C (a wrong one is BadDigest: sent again, then an error);
     the completion lists every part's. MARINFS_PART_CHECKSUM=md5 sends Content-MD5 instead."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
     settings = RemoteSettings(upload_part_size=5 << 20, attempts=2, backoff_base=0.01)
@@ -868,7 +867,7 @@ def test_a_server_that_does_not_echo_the_crc32c_gets_md5(s3_server: Any, tmp_pat
     """A store that takes x-amz-checksum-crc32c without echoing it (so, presumably, without
     checking it) must not cost us the integrity check: that part goes again with Content-MD5,
     the upload completes, and later uploads use MD5 from the start."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
     remote = Remote(url, s3_server.storage_options(), RemoteSettings(upload_part_size=5 << 20))

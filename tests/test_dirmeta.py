@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import object_store
-from marinfs.dirmeta import RECORD_NAME, DirRecords, decode, encode, record_key
+from marinfs.remote.dirmeta import RECORD_NAME, DirRecords, decode, encode, record_key
 from marinfs.errors import FsError, PreconditionFailed, RemoteError
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote import GCSRemote, MemoryRemote, Remote, S3Remote
@@ -127,7 +127,7 @@ def test_encode_decode_round_trip() -> None:
 @pytest.mark.parametrize("data", [b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"v": 2, "entries": {}}',
                                   b'{"entries": {"a": {"version": "g1", "mode": 1}}}', b'{"v": 1, "entries": []}'])
 def test_a_corrupt_record_decodes_empty_with_one_warning(data: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+    with caplog.at_level(logging.WARNING, logger="marinfs.remote.dirmeta"):
         assert decode(data, "d/" + RECORD_NAME) == {}
     assert len(caplog.records) == 1
 
@@ -138,7 +138,7 @@ def test_bad_entries_are_left_out_and_the_rest_kept(caplog: pytest.LogCaptureFix
             b' "neg": {"version": "g1", "uid": -1}, "bool": {"version": "g1", "gid": true},'
             b' "b64": {"version": "g1", "xattrs": {"user.x": "***"}}, "a/b": {"version": "g1"},'
             b' "..": {"version": "g1"}, "": {"version": "g1"}, "list": [1], "d/": {"version": "x", "mode": 448}}}')
-    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+    with caplog.at_level(logging.WARNING, logger="marinfs.remote.dirmeta"):
         assert decode(data) == {"ok": ("g1", PosixAttrs(mode=0o644)), "d/": (None, PosixAttrs(mode=0o700))}
     assert len(caplog.records) == 1
 
@@ -207,7 +207,7 @@ def test_a_prefetch_that_failed_leaves_the_listing_working(store: FakeStore, rec
 
     store.read_small = fail  # type: ignore[method-assign]
     records.prefetch("d", store.version("d/" + RECORD_NAME))
-    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+    with caplog.at_level(logging.WARNING, logger="marinfs.remote.dirmeta"):
         shown = by_name(records.apply("d", files("d", store, a=1)))
     assert shown == {"a": None}  # not known, as an unreadable record always shows
     assert "cannot read directory record" in caplog.text
@@ -238,7 +238,7 @@ def test_an_unreadable_record_leaves_posix_unknown(store: FakeStore, records: Di
         raise RemoteError("get failed after its retries")
 
     store.read_small = broken  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+    with caplog.at_level(logging.WARNING, logger="marinfs.remote.dirmeta"):
         assert by_name(records.apply("d", listing)) == {"a": None}
     assert caplog.records
 
@@ -491,7 +491,7 @@ def test_a_failed_write_is_kept_and_retried(store: FakeStore, records: DirRecord
                                             caplog: pytest.LogCaptureFixture) -> None:
     store.fail_puts = 1
     records.set("d", "a", v(1), MODE)
-    with caplog.at_level(logging.WARNING, logger="marinfs.dirmeta"):
+    with caplog.at_level(logging.WARNING, logger="marinfs.remote.dirmeta"):
         assert not records.flush(5)
     assert caplog.records and records.pending() == 1
     assert records.cached("d", "a", v(1)) == MODE  # still this node's

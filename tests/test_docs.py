@@ -35,7 +35,7 @@ def test_every_fault_bad_input_and_security_test_is_in_the_reliability_tables() 
 
 def test_usage_lists_every_setting_as_the_table_says() -> None:
     """docs/usage.md's settings reference is the settings table; regenerate it with
-    `python -m marinfs.settings` when a setting changes."""
+    `python -m marinfs.config` when a setting changes."""
     from marinfs.config import SETTINGS
     from marinfs.settings import markdown_table
 

@@ -27,10 +27,9 @@ from typing import Any
 import pytest
 
 from faults import FaultPlan, FaultyFS, HttpFaultProxy
-from marinfs.config import RemoteSettings
 from marinfs.errors import StaleVersionError
 from marinfs.recovery import recover
-from marinfs.remote import Remote
+from marinfs.remote import Remote, RemoteSettings
 from marinfs.staging import JOURNAL_SUFFIX
 from chunkfiles import cut_short, records, region
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount

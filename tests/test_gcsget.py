@@ -15,9 +15,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from marinfs.config import RemoteSettings
 from marinfs.errors import StaleVersionError
-from marinfs.remote import Remote, is_transient
+from marinfs.remote import Remote, RemoteSettings, is_transient
 from marinfs.remote.gcshttp import GCSHttp, usable
 
 from scripted import ScriptedHandler, serving

@@ -1,11 +1,15 @@
 """The layers of docs/architecture.md, checked: every module imports (no cycle), nothing imports
-a module above it (function-level imports included), and only marinfs/remote/ touches fsspec,
-the cloud clients or an HTTP client."""
+a module above it (function-level imports included), marinfs/remote/ imports nothing of ours
+but the ground floor, and only marinfs/remote/ touches fsspec, the cloud clients or an HTTP
+client."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +17,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 
 # Lowest first; a module may import only modules of a lower layer. Keep in step with the table
-# in docs/architecture.md.
+# in docs/architecture.md (test_the_architecture_table_is_these_layers).
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead"},
+    {"settings", "mounts", "chunkcache", "metadata", "commit", "posixmeta", "walkahead",
+     "remote.settings", "remote.dirmeta", "remote.parts"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
@@ -39,13 +44,9 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-# Known upward imports, each with its reason; the list should only shrink.
-UPWARD = {
-    # settings.py defers to config.py from inside functions (the remote converter reuses
-    # config.normalize_remote; `python -m marinfs.settings` prints config.SETTINGS): config
-    # imports settings at the top, so the two are one unit in two files.
-    ("settings", "config"),
-}
+# What marinfs/remote/ may import besides its own modules: value types and conversions that
+# import nothing above them ("marinfs" is the package's __init__, its version).
+GROUND = {"marinfs", "errors", "objects", "checksums", "threadnames", "posixmeta"}
 # Only marinfs/remote/ may import these.
 BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "botocore", "aiobotocore", "obstore", "urllib3", "aiohttp",
                      "requests", "httpx"}
@@ -102,7 +103,7 @@ def test_nothing_imports_a_layer_above(name: str) -> None:
     path = _modules()[name]
     for imported in _imports(path):
         ours = _ours(imported)
-        if ours is None or ours == name or (name, ours) in UPWARD:
+        if ours is None or ours == name:
             continue
         assert ours in RANK, f"{name} imports unknown module {imported}"
         assert RANK[ours] < RANK[name], f"{name} (layer {RANK[name]}) imports {imported} (layer {RANK[ours]})"
@@ -112,3 +113,38 @@ def test_nothing_imports_a_layer_above(name: str) -> None:
 def test_only_the_remote_package_imports_backend_libraries(name: str) -> None:
     used = {imported.split(".", 1)[0] for imported in _imports(_modules()[name])} & BACKEND_LIBRARIES
     assert not used, f"marinfs/{name} imports {sorted(used)}: route it through marinfs/remote/"
+
+
+def _is_remote(name: str) -> bool:
+    return name == "remote" or name.startswith("remote.")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _modules() if _is_remote(n)))
+def test_the_remote_package_imports_only_the_ground_floor(name: str) -> None:
+    for imported in _imports(_modules()[name]):
+        ours = _ours(imported)
+        assert ours is None or _is_remote(ours) or ours in GROUND, \
+            f"{name} imports {imported}: marinfs/remote/ takes only {sorted(GROUND)} from outside it"
+
+
+def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
+    """config.py takes RemoteSettings and the writer PartStream from marinfs/remote/; the
+    package loads its backends (and fsspec, s3fs, gcsfs...) only when a name needs them, so the
+    CLI, mount.marinfs and marinfs status start without them."""
+    code = ("import sys, marinfs.cli, marinfs.mount_helper, marinfs.staging, marinfs.status\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]"
+            " or m == 'marinfs.remote.base')))")
+    loaded = subprocess.run([sys.executable, "-c", code, *sorted(BACKEND_LIBRARIES)], capture_output=True,
+                            text=True, check=True, cwd=PACKAGE.parent).stdout.split()
+    assert loaded == []
+
+
+def test_the_architecture_table_is_these_layers() -> None:
+    """docs/architecture.md's module table gives each module the layer LAYERS gives it."""
+    text = (PACKAGE.parent / "docs/architecture.md").read_text()
+    table: dict[str, int] = {}
+    for layer, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M):
+        for path in re.findall(r"`([\w/]+)\.py`", cell):
+            table[path.removesuffix("/__init__").replace("/", ".")] = int(layer)
+    table["marinfs"] = 0  # marinfs/__init__.py: the version, no row of its own
+    assert table == RANK

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import object_store
 from faults import TcpProxy
-from marinfs.config import RemoteSettings
+from marinfs.remote import RemoteSettings
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount
 import tiers
 

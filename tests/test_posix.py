@@ -29,7 +29,7 @@ import pytest
 
 import marinfs.core.writes as writes_module
 from marinfs.core import Filesystem
-from marinfs.core.attributes import (XATTR_CREATE, XATTR_REPLACE, XATTR_SIZE_MAX, XATTR_TOTAL_MAX, XATTR_URL,
+from marinfs.core.attributes import (XATTR_CREATE, XATTR_REPLACE, XATTR_SIZE_MAX, XATTR_URL,
                                      XATTR_VERSION)
 from marinfs.core.writes import FALLOC_FL_KEEP_SIZE
 from marinfs.objects import NO_ATTRS, ObjectVersion, PosixAttrs
@@ -440,7 +440,7 @@ def test_user_xattrs_are_stored_with_create_and_replace_flags(fs: Filesystem, re
     with raises_errno(errno.E2BIG):
         fs.setxattr("/d/f", "user.huge", bytes(XATTR_SIZE_MAX + 1))
     with raises_errno(errno.ENOSPC):
-        fs.setxattr("/d/f", "user.big", bytes(XATTR_TOTAL_MAX))
+        fs.setxattr("/d/f", "user.big", bytes(fs.remote.attrs_limit))
     fs.setxattr("/d", "user.dir", b"on a directory")
     other = reopened(fs, tmp_path)
     assert other.listxattr("/d/f") == ["user.a"] and other.getxattr("/d/f", "user.a") == b"one"

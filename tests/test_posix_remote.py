@@ -9,6 +9,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -17,10 +18,9 @@ import pytest
 
 from conftest import object_store
 from marinfs import posixmeta as pm
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed
 from marinfs.objects import ABSENT, NO_ATTRS, ObjectVersion, PosixAttrs
-from marinfs.remote import GenericRemote, Remote
+from marinfs.remote import GCSRemote, GenericRemote, LocalRemote, MemoryRemote, Remote, RemoteSettings, S3Remote
 from mounting import fsspec_client
 
 T2020 = 1577923200_000000000  # 2020-01-02T00:00:00Z
@@ -142,6 +142,48 @@ def test_gcs_patch_sets_ours_and_removes_ours_now_unset() -> None:
     assert patch == {"goog-reserved-posix-mode": "700", "gcsfuse_mtime": None, "goog-reserved-file-mtime": None,
                      "goog-reserved-posix-uid": None, "mode": "100700", "mtime": None}
     assert pm.from_gcs({**meta, **patch}) == PosixAttrs(mode=0o700)  # (None: the key removed)
+
+
+# -- what each backend can keep (unit) -------------------------------------------------------------
+def _one_xattr(size: int) -> PosixAttrs:
+    return PosixAttrs(xattrs=(("user.v", b"x" * size),))
+
+
+def _largest_that_fits(backend: type[Remote], base: PosixAttrs = NO_ATTRS) -> int:
+    """The longest value of one xattr beside ``base`` that ``backend`` keeps."""
+    low, high = 0, 1 << 17  # fits, does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if backend.attrs_fit(replace(base, xattrs=_one_xattr(mid).xattrs)) else (low, mid)
+    return low
+
+
+@pytest.mark.parametrize("backend", [LocalRemote, MemoryRemote, GenericRemote])
+def test_a_file_keeps_64_kib_of_xattrs_where_the_store_says_no_less(backend: type[Remote]) -> None:
+    """As ext4's attribute block: every user.* name and value together; mode, owner and times
+    are not counted."""
+    assert backend.attrs_limit == 65536
+    assert _largest_that_fits(backend) == 65536 - len("user.v")
+    assert backend.attrs_bytes(FULL) == sum(len(n.encode()) + len(v) for n, v in FULL.xattrs)
+    assert backend.attrs_fit(replace(_one_xattr(65536 - len("user.v")), mode=0o644, uid=1, mtime_ns=T2020))
+
+
+@pytest.mark.parametrize(("backend", "limit", "encode"), [(S3Remote, 2048, pm.to_s3), (GCSRemote, 8192, pm.to_gcs)])
+def test_an_object_store_keeps_what_its_object_metadata_holds(backend: type[Remote], limit: int, encode: Any) -> None:
+    """S3 keeps 2 KiB of user metadata, GCS 8 KiB: the attributes count as the keys they are
+    written as (posixmeta.py), mode, owner and times included, every name and value in UTF-8."""
+    assert backend.attrs_limit == limit
+    for attrs in (FULL, NO_ATTRS, _one_xattr(100)):
+        assert backend.attrs_bytes(attrs) == sum(len(k.encode()) + len(v.encode()) for k, v in encode(attrs).items())
+    alone, beside = _largest_that_fits(backend), _largest_that_fits(backend, FULL)
+    assert 0 < beside < alone < limit  # encoded values are longer, and mode, owner, times take their share
+    assert backend.attrs_bytes(_one_xattr(alone)) <= limit < backend.attrs_bytes(_one_xattr(alone + 1))
+    assert not backend.attrs_fit(_one_xattr(alone + 1))
+
+
+def test_a_value_s3_cannot_keep_fits_gcs_and_the_rest() -> None:
+    attrs = _one_xattr(4000)
+    assert [b.attrs_fit(attrs) for b in (S3Remote, GCSRemote, MemoryRemote, LocalRemote)] == [False, True, True, True]
 
 
 # -- backends without servers (core) -------------------------------------------------------------
@@ -321,7 +363,7 @@ MiB = 1 << 20
 @pytest.fixture(params=["s3", "gcs"])
 def store(request: pytest.FixtureRequest) -> Iterator[tuple[Remote, Any, str]]:
     """(a Remote of a fresh prefix with 5 MiB parts, a direct fsspec client, the prefix's path)."""
-    from marinfs.config import RemoteSettings
+    from marinfs.remote import RemoteSettings
 
     url, options, _ = object_store(request, request.param)
     remote = Remote(url, options, RemoteSettings(upload_part_size=5 * MiB))

@@ -218,7 +218,7 @@ def test_the_journal_names_an_open_multipart_upload_and_recovery_aborts_it(
     replays; an abort that cannot be sent yet (the store down) keeps both for the next pass."""
     import concurrent.futures as cf
 
-    from marinfs.uploads import PartStream
+    from marinfs.remote.parts import PartStream
 
     pool = cf.ThreadPoolExecutor(2)
     staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url=remote.url,
@@ -249,7 +249,7 @@ def test_a_completed_upload_leaves_the_journal_and_a_commit_aborts_what_is_left(
     own abort failed) is handed to the caller to abort."""
     import concurrent.futures as cf
 
-    from marinfs.uploads import PartStream
+    from marinfs.remote.parts import PartStream
 
     pool = cf.ThreadPoolExecutor(2)
     staged = StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x",

@@ -284,7 +284,8 @@ def test_the_read_path_switches_are_settings_of_the_environment_only() -> None:
     read by the environment route (no flag, no file key, no fstab option), reach the remote
     through its RemoteSettings, and a bad value is one line that names the variable."""
     from marinfs import configfile
-    from marinfs.config import BY_NAME, MountConfig, RemoteSettings
+    from marinfs.config import BY_NAME, MountConfig
+    from marinfs.remote import RemoteSettings
     from marinfs.errors import UsageError
 
     for name in READ_PATH:

@@ -5,7 +5,9 @@ host in the repository (tools/fetch_from_apt_mirror.py)."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import hashlib
+import importlib
 import re
 import subprocess
 import sys
@@ -42,6 +44,31 @@ def test_every_package_a_test_may_skip_for_is_installed_by_make_test() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "$(VENV)/.installed: pyproject.toml" in makefile and "pip install -q -e '.[test]'" in makefile
     assert re.search(r"^test: .*\bvenv\b", makefile, re.M)
+
+
+def test_pyproject_names_only_what_exists() -> None:
+    """The entry points, the packages found (every directory of marinfs/ that holds modules),
+    pytest's paths, and every file a comment names (one named marinfs/directget.py long after
+    it was gone)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    config = tomllib.loads(text)
+    for target in config["project"]["scripts"].values():
+        module, _, name = target.partition(":")
+        assert hasattr(importlib.import_module(module), name), target
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]  # what find_packages takes
+    packages = [d for d in (ROOT / "marinfs").rglob("*") if d.is_dir() and any(d.glob("*.py"))]
+    for package in [ROOT / "marinfs", *packages]:
+        name = ".".join(package.relative_to(ROOT).parts)
+        assert (package / "__init__.py").is_file() and any(fnmatch.fnmatch(name, i) for i in include), name
+    pytest_ini = config["tool"]["pytest"]["ini_options"]
+    assert all((ROOT / p).is_dir() for p in pytest_ini["testpaths"] + pytest_ini["pythonpath"])
+    ours = [ROOT / d for d in ("marinfs", "tests", "benchmarks", "tools")]
+    named = set(re.findall(r"[\w/.-]+\.py\b", text))
+    assert named  # the scan finds them
+    def exists(name: str) -> bool:  # a bare name (bench.py's) is a file of ours somewhere
+        return (ROOT / name).is_file() if "/" in name else any(next(d.rglob(name), None) for d in ours)
+
+    assert [n for n in named if not exists(n)] == []
 
 
 def test_no_debian_or_ubuntu_host_is_named_in_the_build() -> None:

@@ -19,11 +19,11 @@ import pytest
 
 from conftest import object_store
 from faults import TcpProxy
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError
 from marinfs.core import Filesystem
-from marinfs.remote import Remote
-from marinfs.uploads import PartStream
+from marinfs.objects import ABSENT, PosixAttrs
+from marinfs.remote import Remote, RemoteSettings
+from marinfs.remote.parts import PartStream
 from mounting import MARINFS, daemon_pid, fsspec_client, subprocess_mount
 
 MiB = 1 << 20
@@ -184,6 +184,37 @@ def test_random_writes_always_commit_the_file_content(tmp_path: Path, pool: Any,
         if done:
             assert session.completed == expected, case
         os.close(fd)
+
+
+@pytest.mark.core
+def test_a_remotes_part_stream_sends_as_its_settings_say(tmp_path: Path) -> None:
+    """Remote.part_stream: the part size and parts in flight of its settings, its own sending
+    threads, and a session opened for the key with the version expected (and a create's mode,
+    only when there is one)."""
+    remote = Remote(f"memory://w-{uuid.uuid4().hex[:10]}", None,
+                    RemoteSettings(upload_part_size=4, upload_concurrency=3))
+    opened: list[tuple[Any, ...]] = []
+    sessions: list[FakeSession] = []
+
+    def part_session(key: str, expect: Any, *args: Any, **kwargs: Any) -> FakeSession:
+        opened.append((key, expect, args, kwargs))
+        sessions.append(FakeSession(4))
+        return sessions[-1]
+
+    remote.part_session = part_session  # type: ignore[method-assign]
+    try:
+        fd = staging_fd(tmp_path)
+        stream = remote.part_stream(fd, "d/new", ABSENT)
+        assert (stream.part_size, stream.max_in_flight, stream.pool) == (4, 3, remote.part_pool)
+        data = bytes(range(10))
+        write(fd, stream, data, 0)
+        assert stream.finish(10) == (True, "e-fake") and sessions[0].completed == data
+        mode = PosixAttrs(mode=0o600)
+        remote.part_stream(fd, "d/other", None, mode).open()
+        assert opened == [("d/new", ABSENT, (), {}), ("d/other", None, (), {"attrs": mode})]
+        os.close(fd)
+    finally:
+        remote.close()
 
 
 # -- real object stores, through the filesystem core --------------------------------------------

@@ -21,7 +21,6 @@ from marinfs.core.writes import Writes
 from marinfs.errors import FsError, PreconditionFailed
 from marinfs.metadata import MetadataCache
 from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
-from marinfs.posixmeta import to_gcs, to_s3
 from marinfs.remote import Remote
 from marinfs.staging import StagedFile
 
@@ -33,11 +32,7 @@ XATTR_VERSION = "user.marinfs.version"
 XATTR_OURS = "user.marinfs."
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags (linux/xattr.h)
 XATTR_SIZE_MAX = 65536  # one value, as the kernel and ext4 allow
-# All of a file's user.* names and values together, where the store does not say less (a
-# ``max_xattr_bytes`` of its own); on S3 and GCS what counts is the object metadata they are
-# encoded into (posixmeta.py): S3 keeps 2 KiB of user metadata in all, GCS 8 KiB.
-XATTR_TOTAL_MAX = 65536
-METADATA_MAX = {"s3": 2048, "s3a": 2048, "gs": 8192, "gcs": 8192}
+# (All of a file's attributes together: what the store keeps, ``Remote.attrs_fit``.)
 
 
 class Attributes:
@@ -269,22 +264,12 @@ class Attributes:
             if flags & XATTR_REPLACE and not exists:
                 raise FsError(errno.ENODATA, name)
             new = attrs.with_xattr(name, bytes(value))
-            if not self._fits(new):
+            if not self.remote.attrs_fit(new):
                 # As ext4 when its attribute block is full: the store keeps no more (S3: 2 KiB).
                 raise FsError(errno.ENOSPC, f"{key}: the store cannot keep that many bytes of attributes")
             return new
 
         self.change(path, fh, change)
-
-    def _fits(self, attrs: PosixAttrs) -> bool:
-        """Whether the store can keep ``attrs``: checked before anything is sent, so a value
-        too big fails its setxattr with ENOSPC, not a later close with EIO."""
-        limit = getattr(self.remote, "max_xattr_bytes", None)
-        if limit is None and self.remote.protocol in METADATA_MAX:
-            encoded = to_s3(attrs) if self.remote.protocol.startswith("s3") else to_gcs(attrs)
-            size = sum(len(k.encode()) + len(v.encode()) for k, v in encoded.items())
-            return size <= METADATA_MAX[self.remote.protocol]
-        return sum(len(n.encode()) + len(v) for n, v in attrs.xattrs) <= (limit or XATTR_TOTAL_MAX)
 
     def removexattr(self, path: str, name: str) -> None:
         key = key_of(path)

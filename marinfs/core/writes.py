@@ -26,11 +26,10 @@ from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno
 from marinfs.metadata import MetadataCache
-from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.recovery import Recovered, recover
 from marinfs.remote import Remote
 from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
-from marinfs.uploads import PartStream
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ class Writes:
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
                                         dirty=info is None or (truncate and info.size > 0),
-                                        stream=self._stream if self.remote.streams else None, **base)
+                                        stream=self.remote.part_stream if self.remote.streams else None, **base)
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
                                         seed=self.remote.download, **base)
@@ -106,17 +105,6 @@ class Writes:
         if truncate:
             staged.truncate(0)
         return staged
-
-    def _stream(self, fd: int, key: str, expect: ObjectVersion | None, attrs: PosixAttrs | None = None) -> PartStream:
-        """A part upload of a new or truncated file; ``attrs`` (a create mode) go with it."""
-        settings = self.remote.settings
-
-        def session() -> Any:
-            if attrs is None:
-                return self.remote.part_session(key, expect)
-            return self.remote.part_session(key, expect, attrs=attrs)
-
-        return PartStream(fd, session, settings.upload_part_size, self.remote.part_pool, settings.upload_concurrency)
 
     def release(self, staged: StagedFile) -> None:
         """A writer closed: the last one commits what raced its close and drops the staged

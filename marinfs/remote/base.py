@@ -29,10 +29,11 @@ from typing import Any, ClassVar, TypeVar
 import fsspec
 import fsspec.config
 
-from marinfs.config import RemoteSettings
 from marinfs.errors import FsError, PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.errors import is_final as errors_is_final
-from marinfs.objects import Copied, ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.objects import ABSENT, Copied, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.remote.parts import PartSession, PartStream
+from marinfs.remote.settings import RemoteSettings
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,10 @@ class Remote:
     # A rename moves the object itself (rename(2) on a local disk): every file is the same file
     # under the new name, so a reader open here keeps reading it there (fs.Filesystem.rename).
     renames_in_place: ClassVar[bool] = False
+    # The bytes of user.* attributes a file can keep (attrs_bytes counts them): here all names
+    # and values together, as ext4 keeps in its attribute block; a store that encodes them into
+    # its object metadata keeps what that holds (S3 2 KiB, GCS 8 KiB).
+    attrs_limit: ClassVar[int] = 65536
 
     def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -553,12 +558,38 @@ class Remote:
         """A multipart (S3) or resumable (GCS) upload of ``key``; only where ``streams``."""
         raise NotImplementedError(f"{self.protocol} uploads are not sent in parts")
 
+    def part_stream(self, fd: int, key: str, expect: ObjectVersion | None,
+                    attrs: PosixAttrs | None = None) -> PartStream:
+        """The parts of a new or truncated file ``key``, sent from ``fd`` while it is written
+        (only where ``streams``; the session opens with the first full part): parts of
+        ``upload_part_size``, at most ``upload_concurrency`` in flight, on ``part_pool``'s
+        threads. ``attrs`` (a create's mode) go with the session."""
+
+        def session() -> PartSession:
+            if attrs is None:
+                return self.part_session(key, expect)
+            return self.part_session(key, expect, attrs=attrs)
+
+        return PartStream(fd, session, self.settings.upload_part_size, self.part_pool,
+                          self.settings.upload_concurrency)
+
     def abort_upload(self, record: dict[str, Any]) -> None:
         """Abort the upload a session's ``record`` names (journaled while it was open; the
         daemon that opened it may have been killed). Records of other stores are dropped."""
         log.debug("no upload of this kind to abort on %s: %s", self.url, record.get("store"))
 
     # -- persisted POSIX metadata --------------------------------------------------------------
+    @classmethod
+    def attrs_bytes(cls, attrs: PosixAttrs) -> int:
+        """What ``attrs`` take of ``attrs_limit``: here their xattrs' names and values."""
+        return sum(len(n.encode()) + len(v) for n, v in attrs.xattrs)
+
+    @classmethod
+    def attrs_fit(cls, attrs: PosixAttrs) -> bool:
+        """Whether a file here can keep ``attrs``: asked before anything is sent, so a value
+        too big fails its setxattr (ENOSPC), not a later close (EIO)."""
+        return cls.attrs_bytes(attrs) <= cls.attrs_limit
+
     def _require_posix(self, attrs: PosixAttrs | None) -> None:
         if attrs is not None and not attrs.empty and not self.stores_posix:
             raise FsError(errno.ENOTSUP, f"{self.protocol}:// keeps no POSIX metadata")

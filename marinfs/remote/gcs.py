@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote
 
 import fsspec.asyn
@@ -35,8 +35,8 @@ from marinfs.objects import Copied, ObjectInfo, ObjectVersion, PosixAttrs, gcs_m
 from marinfs.remote.base import TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.gcshttp import GCSHttp, usable
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.parts import Counter, Runner
 from marinfs.remote.recorded import Recorded
-from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,13 @@ class GCSRemote(Recorded, ObjectStoreRemote):
     version_kind = "generation"
     link_objects = False  # gcsfuse's links: SYMLINK_METADATA on an empty object
     lists_posix = True  # listings carry each object's custom metadata
+    # GCS keeps 8 KiB of custom metadata per object (names and values), where the attributes go
+    # as gcsfuse's and gsutil's keys (posixmeta.to_gcs).
+    attrs_limit: ClassVar[int] = 8192
+
+    @classmethod
+    def attrs_bytes(cls, attrs: PosixAttrs) -> int:
+        return sum(len(k.encode()) + len(v.encode()) for k, v in posixmeta.to_gcs(attrs).items())
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from marinfs.errors import PreconditionFailed
 from marinfs.objects import ABSENT, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.base import LINK_SUFFIX, MiB, Remote
-from marinfs.uploads import S3_MAX_PARTS, PartSession, upload_file
+from marinfs.remote.parts import S3_MAX_PARTS, PartSession, upload_file
 
 
 def _utf8(text: str) -> bool:

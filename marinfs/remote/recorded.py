@@ -9,8 +9,8 @@ and hidden, a change queues the entry. A backend that defines one of those itsel
 checks that each does. The record's name is reserved: nothing is created or renamed onto it,
 and no stat or listing shows it.
 
-This module imports nothing from remote/ (it sits beside base.py): what it calls on ``self``
-is the Remote interface, through ``super()``.
+Of remote/ this module imports only dirmeta.py, the record itself (it sits beside base.py):
+what it calls on ``self`` is the Remote interface, through ``super()``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import posixpath
 import threading
 from typing import Any
 
-from marinfs.dirmeta import RECORD_NAME, DirRecords, is_record, record_key, split_key
 from marinfs.errors import FsError
 from marinfs.objects import Copied, ObjectInfo, ObjectVersion, PosixAttrs
+from marinfs.remote.dirmeta import RECORD_NAME, DirRecords, is_record, record_key, split_key
 
 log = logging.getLogger(__name__)
 

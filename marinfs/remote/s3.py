@@ -31,10 +31,10 @@ from marinfs.errors import PreconditionFailed, UsageError
 from marinfs.objects import Copied, ObjectVersion, PosixAttrs, s3_match
 from marinfs.remote.base import MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
+from marinfs.remote.parts import Counter, Runner
 from marinfs.remote.recorded import Recorded
 from marinfs.remote.s3http import CHECKSUMS, ChecksumNotChecked, Presigner, S3Http
 from marinfs.remote.s3obstore import ObstoreGetter, Unusable, representable
-from marinfs.uploads import Counter, Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +64,13 @@ class S3Remote(Recorded, ObjectStoreRemote):
     # upload of UploadPartCopy parts. Class attributes, so tests can lower them.
     copy_limit: ClassVar[int] = 5 * GiB
     copy_part_size: ClassVar[int] = 512 * MiB
+    # S3 keeps 2 KiB of user metadata per object (each name and value's UTF-8 bytes), where
+    # the attributes go as s3fs-fuse's keys (posixmeta.to_s3).
+    attrs_limit: ClassVar[int] = 2048
+
+    @classmethod
+    def attrs_bytes(cls, attrs: PosixAttrs) -> int:
+        return sum(len(k.encode()) + len(v.encode()) for k, v in posixmeta.to_s3(attrs).items())
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)

@@ -5,7 +5,8 @@ recoverable). On S3 and GCS its parts also leave while the writer is still writi
 of a big sequential write only waits for the tail. The sessions that carry the parts belong to
 their backends (remote/s3.py: a multipart upload, any part may be resent; remote/gcs.py: a
 resumable upload, chunks in order, never resent); this module knows only the
-:class:`PartSession` protocol, so the writer side uses it without importing a backend.
+:class:`PartSession` protocol, so the writer side (staging.py, fs.py) streams through it
+without loading a backend, and a backend uploads a whole file through it (``upload_file``).
 
 The part streamer only ever reads parts from the staging file: the file is the truth, the
 stream is an optimisation that may give up at any time without losing anything.
