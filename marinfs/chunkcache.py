@@ -26,6 +26,10 @@ INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariant
 reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk
 that cannot fit is simply not cached. A chunk's bytes are freed (a hole punched) only once no
 read is using them, and the same chunk is not written again until then.
+
+The directory's layout, the records' names and its lock are cachedir.py's (the daemon, `marinfs
+cache` and `status` read them without a ``ChunkCache``); the names other modules import from
+there are imported here too, so ``from marinfs.chunkcache import stats_file`` works as before.
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marinfs.cachedir import (acquire_lock, chunk_size_of, chunks_dir, data_dir, data_file, disk_usage, lock_holder,
+                              parse_record, record_name, staging_dir, stats_file, unfinished, wipe)
 from marinfs.checksums import crc32c_extend
-from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef, ObjectVersion, cache_id
 from marinfs.threadnames import name_current
+
+__all__ = ["Buffer", "CacheStats", "ChunkCache", "ChunkKey", "acquire_lock", "chunk_size_of", "chunks_dir",
+           "data_dir", "disk_usage", "lock_holder", "staging_dir", "stats_file", "wipe"]
 
 try:  # CRC-32C in C with the CPU's crc32 instruction (google-crc32c, which gcsfs installs)
     import google_crc32c
@@ -210,32 +218,27 @@ class ChunkCache:
     def _load(self) -> None:
         """Rebuild the index from disk, oldest first; drop leftovers, bytes no marker records,
         and excess."""
-        found = []
+        found: list[tuple[int, tuple[str, int], _Entry]] = []  # (last use, key, entry)
         have: dict[Path, bool] = {}  # data file -> it exists
         for sub in self.dir.iterdir():
             if not sub.is_dir():
                 continue
             for path in sub.iterdir():
                 name = path.name
-                if _unfinished(name):
+                if unfinished(name):
                     path.unlink(missing_ok=True)
                     continue
                 try:
-                    object_id, index, rest = name.rsplit("-", 2)
-                    crc, _, place = rest.partition("+")
-                    if not place:
-                        raise ValueError("an older daemon's chunk file, of a chunk size it does not say")
-                    c = len(crc) == 9 and crc[0] == "c"  # zlib CRC-32 names are 8 hex digits, never 9
+                    object_id, index, crc, c, offset, size = parse_record(name)
                     if c and _crc32c is None:
                         raise ValueError("a CRC-32C chunk and no CRC-32C to check it: fetched again")
-                    offset, size = (int(v) for v in place.split("+"))
-                    where = self._data_file(object_id)
+                    where = data_file(self.data, object_id)
                     if where not in have:
                         have[where] = where.exists()
                     if not have[where]:
                         raise ValueError("its data file is gone")
-                    found.append((path.stat().st_atime_ns, (object_id, int(index)),
-                                  _Entry(where, offset, size, int(crc[1:] if c else crc, 16), path, c=c)))
+                    found.append((path.stat().st_atime_ns, (object_id, index),
+                                  _Entry(where, offset, size, crc, path, c=c)))
                 except (ValueError, OSError):
                     path.unlink(missing_ok=True)
         found.sort(key=lambda item: item[0])
@@ -290,9 +293,6 @@ class ChunkCache:
             log.info("chunk cache %s: cannot free unrecorded blocks of %s: %s", self.dir, path, exc)
         finally:
             os.close(fd)
-
-    def _data_file(self, object_id: str) -> Path:
-        return self.data / object_id[:2] / object_id
 
     # -- reads ---------------------------------------------------------------------------------
     def _lookup_locked(self, key: ChunkKey) -> _Entry | None:
@@ -545,7 +545,7 @@ class ChunkCache:
         """The ``chunks`` entries of a version cached whole (``size`` bytes, each chunk at its
         offset in the one data file; ``verified``: each checked since the start), in order;
         None if one is missing (or unverified)."""
-        path = self._data_file(object_id)
+        path = data_file(self.data, object_id)
         entries: list[_Entry] = []
         total = 0
         for index in range(chunks):
@@ -641,7 +641,7 @@ class ChunkCache:
         size = len(data)
         ikey = (key.object_id, key.index)
         offset = key.index * self.chunk_size if key.start < 0 else key.start
-        path = self._data_file(key.object_id)
+        path = data_file(self.data, key.object_id)
         with self._lock:
             self.stats.bytes_fetched += size
             if self._lookup_locked(key) is not None:
@@ -664,7 +664,7 @@ class ChunkCache:
                 os.close(fd)
             sub = self.dir / key.object_id[:2]
             sub.mkdir(exist_ok=True, mode=0o700)
-            marker = sub / f"{key.object_id}-{key.index}-{'c' if c else ''}{crc:08x}+{offset}+{size}"
+            marker = sub / record_name(key.object_id, key.index, crc, c, offset, size)
             os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o600))
             stored = True
         except OSError as exc:
@@ -893,63 +893,6 @@ def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
         view, offset = view[n:], offset + n
 
 
-# The cache directory's layout, in one place (the daemon, `marinfs cache` and `status` use it):
-# data/<2 hex>/<object id> (a version's chunks at their offsets, sparse), chunks/<2 hex>/<object
-# id>-<index>-<crc>+<offset>+<size> (empty: the record that a chunk is there; older daemons'
-# chunk files have no "+" and hold the chunk), staging/ (staged writes and journals, never a
-# cache: unsaved data), lock (the daemon's PID, flocked), stats.json (the daemon's counters).
-def chunks_dir(cache_dir: Path) -> Path:
-    return cache_dir / "chunks"
-
-
-def data_dir(cache_dir: Path) -> Path:
-    return cache_dir / "data"
-
-
-def staging_dir(cache_dir: Path) -> Path:
-    return cache_dir / "staging"
-
-
-def stats_file(cache_dir: Path) -> Path:
-    return cache_dir / "stats.json"
-
-
-def _unfinished(name: str) -> bool:
-    return name.startswith("tmp")  # a chunk write that never finished (tempfile prefix)
-
-
-def chunk_size_of(name: str, path: Path) -> int:
-    """How many bytes of chunk the record ``name`` (at ``path``) stands for."""
-    _, _, place = name.rpartition("-")[2].partition("+")
-    return int(place.split("+")[1]) if place else path.stat().st_size
-
-
-def disk_usage(cache_dir: Path) -> tuple[int, int]:
-    """(chunks, bytes) of the chunks recorded under ``cache_dir``, daemon or not."""
-    chunks = total = 0
-    root = chunks_dir(cache_dir)
-    if root.is_dir():
-        for sub in root.iterdir():
-            for path in sub.iterdir() if sub.is_dir() else ():
-                if not _unfinished(path.name):
-                    try:
-                        total += chunk_size_of(path.name, path)
-                    except (ValueError, IndexError, OSError):
-                        continue
-                    chunks += 1
-    return chunks, total
-
-
-def wipe(cache_dir: Path) -> int:
-    """Delete every chunk and the last run's counters (never the staging directory); answers
-    how many chunks there were. The caller makes sure no daemon uses the directory."""
-    chunks, _ = disk_usage(cache_dir)
-    shutil.rmtree(chunks_dir(cache_dir), ignore_errors=True)
-    shutil.rmtree(data_dir(cache_dir), ignore_errors=True)
-    stats_file(cache_dir).unlink(missing_ok=True)
-    return chunks
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _FALLOC_FL_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # linux/falloc.h: punching needs KEEP_SIZE
@@ -967,36 +910,3 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
-
-
-def acquire_lock(cache_dir: Path) -> int:
-    """Take the cache directory's lock, or fail with the PID that holds it."""
-    path = cache_dir / "lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise UsageError(f"cache directory {cache_dir} is in use by marinfs PID {holder}; "
-                         f"give this mount its own --cache-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def lock_holder(cache_dir: Path) -> int | None:
-    """The PID of the daemon using ``cache_dir``, or None when it is free."""
-    path = cache_dir / "lock"
-    if not path.exists():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else -1
-    finally:
-        os.close(fd)

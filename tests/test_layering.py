@@ -20,10 +20,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md (test_the_architecture_table_is_these_layers).
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "chunkcache", "metadata", "commit", "posixmeta", "walkahead",
-     "remote.settings", "remote.dirmeta", "remote.parts"},
-    {"config", "cachecli", "reader", "staging"},
-    {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
+    {"settings", "mounts", "metadata", "cachedir", "commit", "posixmeta", "walkahead", "remote.settings",
+     "remote.dirmeta", "remote.parts"},
+    {"config", "chunkcache", "staging"},
+    {"configfile", "mount_helper", "cachecli", "reader", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
      "remote.gcshttp"},
     {"remote.s3", "remote.gcs"},
