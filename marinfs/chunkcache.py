@@ -13,14 +13,8 @@ so after a ``--chunk-size`` change they would stand for other bytes: they are dr
 and fetched again, never misread. A new version of an object has a new hash, so it can never be
 served old bytes.
 
-Chunks are written with O_DIRECT where the filesystem allows it. Buffered writes of a cold
-read's 1 GiB dirty the page cache faster than writeback drains it, and the kernel then throttles
-every writer to the disk's writeback speed: measured here, 4.4 GB/s for the first ~800 MiB,
-then 400 MiB/s, which capped cold reads. O_DIRECT writes ran at 1.7-2.0 GB/s sustained, and
-the page cache is left to the FUSE files themselves (no second copy of every chunk in memory).
-A chunk handed over in a writable page-aligned buffer (the fetcher's pooled buffers,
-buffers.py) is written from that buffer and checksummed at its address; any other buffer is
-copied into the writing thread's aligned buffer first. The file is the same either way.
+Chunks are written with O_DIRECT where the filesystem allows it (why, and how: chunkio.py,
+with the checksums and the whole reads that check them).
 
 INVARIANT: ``used <= max_bytes`` at all times (checked by :meth:`check_invariants`): space is
 reserved before a chunk is written, evicting least-recently-used chunks first, and a chunk
@@ -37,53 +31,26 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
-import mmap
 import os
 import shutil
 import threading
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from marinfs.cachedir import (acquire_lock, chunk_size_of, chunks_dir, data_dir, data_file, disk_usage, lock_holder,
                               parse_record, record_name, staging_dir, stats_file, unfinished, wipe)
-from marinfs.checksums import crc32c_extend
+from marinfs.chunkio import (ALIGN, HAS_CRC32C, Buffer, DirectIO, aligned_address, checksum_at, read_whole,
+                             readahead_limit)
 from marinfs.objects import ObjectRef, ObjectVersion, cache_id
 from marinfs.threadnames import name_current
 
 __all__ = ["Buffer", "CacheStats", "ChunkCache", "ChunkKey", "acquire_lock", "chunk_size_of", "chunks_dir",
            "data_dir", "disk_usage", "lock_holder", "staging_dir", "stats_file", "wipe"]
 
-try:  # CRC-32C in C with the CPU's crc32 instruction (google-crc32c, which gcsfs installs)
-    import google_crc32c
-
-    _crc32c: Callable[[bytes], int] | None = google_crc32c.value if google_crc32c.implementation == "c" else None
-except ImportError:  # pragma: no cover - then chunks keep zlib CRC-32 names
-    _crc32c = None
-
-
-# google-crc32c's C ``crc32c_extend(crc, pointer, length)`` (checksums.py): checksums any memory,
-# such as the aligned buffer a chunk is written from, without a copy into a ``bytes``, and
-# without the interpreter lock.
-_crc32c_extend = crc32c_extend if _crc32c is not None else None
-
 log = logging.getLogger(__name__)
-Buffer = Any  # anything with the buffer protocol: bytes, obstore's Bytes
-
-
-def _checksum(data: Buffer, c: bool) -> int:
-    """The checksum a chunk name carries: CRC-32C (``c`` names) or zlib's CRC-32 (older names)."""
-    if c:
-        if _crc32c is None:
-            raise LookupError("no CRC-32C here")
-        return _crc32c(data if isinstance(data, bytes) else bytes(data))
-    return zlib.crc32(data)
 
 
 @dataclass(frozen=True)
@@ -204,11 +171,9 @@ class ChunkCache:
         os.chmod(cache_dir, 0o700)
         self.dir.mkdir(exist_ok=True, mode=0o700)
         self.data.mkdir(exist_ok=True, mode=0o700)
-        self._direct_io = hasattr(os, "O_DIRECT")
-        self._direct_read = self._direct_io
+        self._io = DirectIO(self.dir)  # no lock: its flags only fall to False, its buffers are per thread
         self._punch = True  # the cache's filesystem punches holes; else an eviction takes the whole file
-        self._advise_step = _readahead_limit(self.dir)  # what one WILLNEED reads (advise)
-        self._local = threading.local()  # each writing thread's aligned O_DIRECT buffer
+        self._advise_step = readahead_limit(self.dir)  # what one WILLNEED reads (advise)
         self._lock_fd: int | None = None
         if lock:
             self._lock_fd = acquire_lock(cache_dir)
@@ -230,7 +195,7 @@ class ChunkCache:
                     continue
                 try:
                     object_id, index, crc, c, offset, size = parse_record(name)
-                    if c and _crc32c is None:
+                    if c and not HAS_CRC32C:
                         raise ValueError("a CRC-32C chunk and no CRC-32C to check it: fetched again")
                     where = data_file(self.data, object_id)
                     if where not in have:
@@ -336,7 +301,7 @@ class ChunkCache:
             if offset + size > entry.size:  # shorter than the chunk it stands for: never a short read
                 return False
             if not verified:
-                data = self._read_whole(entry)
+                data = read_whole(entry.path, entry.offset, entry.size, entry.crc, entry.c)
                 if data is None:
                     return False
                 entry.verified = True
@@ -358,14 +323,6 @@ class ChunkCache:
         finally:
             self._done(ikey, entry, fd, hit=drop is None, drop=drop)
 
-    def _read_whole(self, entry: _Entry) -> bytes | None:
-        """A chunk's bytes if they are all there and match its checksum, else None."""
-        with open(entry.path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), entry.size, entry.offset)
-        if len(data) != entry.size or _checksum(data, entry.c) != entry.crc:
-            return None
-        return data
-
     def load_into(self, key: ChunkKey, dest: memoryview) -> int | None:
         """The whole chunk into ``dest`` (a pooled buffer: page-aligned, the chunk's size rounded
         up to 4 KiB at least) with O_DIRECT: the disk's DMA fills it, no page cache is filled
@@ -376,23 +333,23 @@ class ChunkCache:
         ikey = (key.object_id, key.index)
         with self._lock:
             entry = self._lookup_locked(key)
-        if entry is not None and (len(dest) < -(-entry.size // _ALIGN) * _ALIGN or _aligned_address(dest) is None):
+        if entry is not None and (len(dest) < -(-entry.size // ALIGN) * ALIGN or aligned_address(dest) is None):
             raise ValueError("load_into needs a page-aligned buffer of the chunk's size rounded up to 4 KiB")
         found = self._used_entry(key)
         if found is None:
             return None
         entry, verified, _ = found
         size = entry.size
-        aligned = -(-size // _ALIGN) * _ALIGN
+        aligned = -(-size // ALIGN) * ALIGN
         drop: str | None = "corrupt"
         try:
-            fd = self._open_direct(entry.path) if entry.offset % _ALIGN == 0 else os.open(entry.path, os.O_RDONLY)
+            fd = self._io.open_for_read(entry.path) if entry.offset % ALIGN == 0 else os.open(entry.path, os.O_RDONLY)
             try:
                 n = os.preadv(fd, [dest[:aligned]], entry.offset)
             finally:
                 os.close(fd)
             # A data file's next chunk may follow the chunk: only its own bytes count.
-            if min(n, size) != size or not (verified or _checksum_at(dest, size, entry.c) == entry.crc):
+            if min(n, size) != size or not (verified or checksum_at(dest, size, entry.c) == entry.crc):
                 return None
             entry.verified = True
             drop = None
@@ -472,16 +429,6 @@ class ChunkCache:
         if not fd.users:
             os.close(fd.fd)
 
-    def _open_direct(self, path: Path) -> int:
-        if self._direct_read:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._direct_read = False  # this filesystem has no O_DIRECT: buffered from now on
-        return os.open(path, os.O_RDONLY)
-
     def advise(self, key: ChunkKey, wait: bool = False) -> None:
         """Start reading a cached chunk from disk in the background (it is about to be read);
         ``wait``: return once it has been read (a sweep lane, paced at the disk's speed: its
@@ -489,7 +436,7 @@ class ChunkCache:
 
         One WILLNEED reads no more than the disk's readahead or largest request allows (4 MiB
         on this project's test machines: half a chunk), so the chunk is advised in pieces of
-        that much (_readahead_limit): in smaller ones, each its own disk request, the page cache
+        that much (chunkio.readahead_limit): in smaller ones, each its own disk request, the page cache
         costs more CPU to fill (128 KiB pieces: a warm torch load's daemon +0.2 CPU-s/GiB)."""
         ikey = (key.object_id, key.index)
         found = self._used_entry(key, read=False)
@@ -589,7 +536,7 @@ class ChunkCache:
                     entry.users += 1
                 drop: str | None = "corrupt"
                 try:
-                    if self._read_whole(entry) is not None:
+                    if read_whole(entry.path, entry.offset, entry.size, entry.crc, entry.c) is not None:
                         entry.verified = True
                         drop = None
                 except FileNotFoundError:
@@ -653,13 +600,13 @@ class ChunkCache:
             self._reserved += size  # counted in `used` from now on, so the limit holds
             self.used += size
             self._files[path] = self._files.get(path, 0) + 1
-        c = _crc32c is not None
+        c = HAS_CRC32C
         stored = False
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                crc = self._write(fd, data, c, direct=self._direct_io and not keep, offset=offset)
+                crc = self._io.write(fd, data, c, direct=self._io.write_direct and not keep, offset=offset)
             finally:
                 os.close(fd)
             sub = self.dir / key.object_id[:2]
@@ -685,48 +632,6 @@ class ChunkCache:
             self.used -= size
             self._release_file_locked(path)
         return False
-
-    def _write(self, fd: int, data: Buffer, c: bool, direct: bool, offset: int = 0) -> int:
-        """All of ``data`` to ``fd`` at ``offset``: the block-aligned bulk with O_DIRECT (from an
-        aligned buffer, as it requires: ``data`` itself when it is a writable page-aligned
-        buffer, such as the pooled buffer a chunk was fetched into, else a copy in this thread's
-        aligned buffer), the tail and any filesystem without O_DIRECT buffered. Answers the
-        checksum of what was written (CRC-32C if ``c``), taken at the aligned buffer's address
-        where it can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
-        view = memoryview(data)
-        bulk = len(view) - len(view) % _ALIGN if direct and offset % _ALIGN == 0 else 0
-        crc = None
-        if bulk:
-            addr = _aligned_address(view)
-            if addr is not None:  # a pooled buffer (buffers.py): written from where it is
-                src = view
-            else:
-                buf = getattr(self._local, "buf", None)
-                if buf is None or len(buf) < bulk:
-                    buf = self._local.buf = mmap.mmap(-1, max(bulk, 8 << 20))  # page-aligned
-                    self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-                buf[:bulk] = view[:bulk]
-                src, addr = memoryview(buf), self._local.addr
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-                _write_all(fd, src[:bulk], offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._direct_io = False  # this filesystem does not do O_DIRECT: buffered from now on
-                log.info("chunk cache %s: no O_DIRECT (%s); buffered writes", self.dir, exc)
-                bulk = 0
-            finally:
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            if bulk and c and _crc32c_extend is not None:
-                crc = _crc32c_extend(0, addr, bulk)
-                tail = view[bulk:].tobytes()
-                crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
-        _write_all(fd, view[bulk:], offset + bulk)
-        if crc is None and c and not bulk and view.nbytes and not view.readonly and view.c_contiguous:
-            crc = _checksum_at(view, view.nbytes, c)  # written buffered (a random read's): no copy either
-        return crc if crc is not None else _checksum(data, c)
 
     # -- removal -------------------------------------------------------------------------------
     def _evict_locked(self, incoming: int) -> bool:
@@ -849,48 +754,6 @@ class ChunkCache:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def _readahead_limit(path: Path) -> int:
-    """The most one POSIX_FADV_WILLNEED reads on the disk ``path`` is on: the kernel
-    (force_page_cache_ra) caps it at the larger of the device's largest request
-    (``max_sectors_kb``) and its ``read_ahead_kb``. 128 KiB, the default read_ahead_kb, where
-    sysfs does not say (tmpfs, a filesystem on no single block device)."""
-    try:
-        dev = os.stat(path).st_dev
-        block = Path(os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
-        queue = block / "queue" if (block / "queue").is_dir() else block.parent / "queue"  # a partition's disk
-        kib = max(int((queue / name).read_text()) for name in ("max_sectors_kb", "read_ahead_kb"))
-    except (OSError, ValueError):
-        kib = 0
-    return max(128, kib) << 10
-
-
-_ALIGN = 4096  # O_DIRECT wants block-aligned sizes and buffers; 4 KiB suits every common disk
-
-
-def _aligned_address(view: memoryview) -> int | None:
-    """Where a writable, contiguous buffer starts, if that is page-aligned (what O_DIRECT
-    needs: a pooled buffer from buffers.py is); None for anything else (``bytes``, obstore's
-    ``Bytes``: read-only, copied into an aligned buffer first)."""
-    if view.readonly or not view.c_contiguous or not view.nbytes:
-        return None
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return addr if addr % mmap.PAGESIZE == 0 else None
-
-
-def _checksum_at(view: memoryview, size: int, c: bool) -> int:
-    """The checksum of ``view[:size]``, a writable buffer: CRC-32C taken at its address where
-    the C library is there (no copy, the GIL released), else through ``_checksum``."""
-    if c and _crc32c_extend is not None:
-        return _crc32c_extend(0, ctypes.addressof(ctypes.c_char.from_buffer(view)), size)
-    return _checksum(view[:size], c)
-
-
-def _write_all(fd: int, view: memoryview, offset: int = 0) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

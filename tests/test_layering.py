@@ -20,8 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md (test_the_architecture_table_is_these_layers).
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "metadata", "cachedir", "commit", "posixmeta", "walkahead", "remote.settings",
-     "remote.dirmeta", "remote.parts"},
+    {"settings", "mounts", "metadata", "cachedir", "chunkio", "commit", "posixmeta", "walkahead",
+     "remote.settings", "remote.dirmeta", "remote.parts"},
     {"config", "chunkcache", "staging"},
     {"configfile", "mount_helper", "cachecli", "reader", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",

@@ -613,7 +613,7 @@ def test_chunks_of_any_size_survive_direct_io(tmp_path: Path, size: int) -> None
     cache = ChunkCache(tmp_path, 64 * MiB)
     assert cache.put(key(1), data)
     assert cache.read(key(1), 0, size + 10) == data
-    assert cache._direct_io  # this machine's disk takes O_DIRECT: the path above was the direct one
+    assert cache._io.write_direct  # this machine's disk takes O_DIRECT: the path above was the direct one
     cache.close()
     again = ChunkCache(tmp_path, 64 * MiB)
     assert again.read(key(1), 0, size + 10) == data and again.stats.corrupt == 0
@@ -630,7 +630,7 @@ def test_chunks_from_any_buffer_are_named_and_verified_like_bytes(tmp_path: Path
     assert plain.put(key(1), data)
     for kind, buf in (("Bytes", obstore.Bytes(data)), ("memoryview", memoryview(data))):
         cache = ChunkCache(tmp_path / kind, 64 * MiB)
-        assert cache.put(key(1), buf) and cache._direct_io
+        assert cache.put(key(1), buf) and cache._io.write_direct
         assert [p.name for p in (tmp_path / kind).rglob("*-1-*")] == [p.name for p in (tmp_path / "plain").rglob("*-1-*")]
         cache.close()
         again = ChunkCache(tmp_path / kind, 64 * MiB)
@@ -657,7 +657,7 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
     data = os.urandom(MiB + 5)
     assert cache.put(key(1), data) and cache.put(key(2), data[:4096])
     assert cache.read(key(1), 0, MiB + 5) == data and cache.read(key(2), 0, MiB) == data[:4096]
-    assert not cache._direct_io
+    assert not cache._io.write_direct
     assert cache.put(key(3), memoryview(data)) and cache.read(key(3), 0, MiB + 5) == data  # any buffer
 
 
@@ -1005,8 +1005,8 @@ def test_a_pooled_buffer_is_written_in_place_with_the_same_name_and_crc(tmp_path
     buf = BufferPool(8 * MiB, 8 * MiB).take(size)
     buf[:] = data
     cache = ChunkCache(tmp_path / "pooled", 64 * MiB)
-    assert cache.put(key(1), buf) and cache._direct_io
-    assert getattr(cache._local, "buf", None) is None  # written from where it was
+    assert cache.put(key(1), buf) and cache._io.write_direct
+    assert getattr(cache._io.aligned, "buf", None) is None  # written from where it was
     names = [p.name for p in (tmp_path / "pooled").rglob("*-1-*")]
     assert names == [p.name for p in (tmp_path / "plain").rglob("*-1-*")] and "-c" in names[0]
     assert bytes(buf) == data  # untouched
