@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md (test_the_architecture_table_is_these_layers).
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "metadata", "cachedir", "chunkio", "commit", "posixmeta", "walkahead",
+    {"settings", "mounts", "metadata", "cachedir", "chunkio", "chunkindex", "commit", "posixmeta", "walkahead",
      "remote.settings", "remote.dirmeta", "remote.parts"},
     {"config", "chunkcache", "staging"},
     {"configfile", "mount_helper", "cachecli", "reader", "remote.base", "remote.recorded", "remote.httpbody"},

@@ -252,7 +252,7 @@ def test_a_chunk_evicted_while_read_keeps_its_bytes_until_the_read_ends(tmp_path
     entry, verified, fd = cache._used_entry(key(1), take_fd=True)  # a read in flight holds it
     assert verified and fd is not None
     with cache._lock:
-        cache._remove_locked(ikey, entry)  # evicted
+        cache._index.remove_locked(ikey, entry)  # evicted
     assert not rec1.exists() and cache.read(key(1), 0, 1) is None  # gone from the index at once
     assert not cache.put(key(1), second)  # not into a region a read still uses
     assert os.pread(fd.fd, 3, offset + 2) == second[2:5]  # the reader finishes
@@ -535,7 +535,7 @@ def test_without_hole_punching_a_version_leaves_the_cache_whole(tmp_path: Path,
     def no_punch(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr("marinfs.chunkcache._punch_hole", no_punch)
+    monkeypatch.setattr("marinfs.chunkindex.punch_hole", no_punch)
     chunk = 64 * KiB
     cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
     for i in range(3):
