@@ -18,7 +18,7 @@ system-deps:
 # libfuse >= 3.17 lets the kernel read files the chunk cache holds whole by itself (FUSE
 # passthrough, docs/caching.md). Debian 12 ships 3.14: this builds Debian 13's 3.17 source
 # (checked against its SHA-256) into /usr/local, beside it; marinfs loads the newest
-# (marinfs/libfuse.py). Only the library: fusermount3 and the rest stay Debian's. The source
+# (marinfs/fuse/libfuse.py). Only the library: fusermount3 and the rest stay Debian's. The source
 # comes from the Debian mirror (and proxy) this machine's apt is configured with
 # (tools/fetch_from_apt_mirror.py): no host is named here.
 LIBFUSE_VERSION := 3.17.2

@@ -40,7 +40,7 @@ import bench  # noqa: E402  (start_proxy, stop_proc)
 import peers_bench as pb  # noqa: E402  (scrape, counts_delta, unmount, _fusermount_u, _wait_gone, _wait_mounted)
 import servers  # noqa: E402  (tests/servers.py)
 
-from marinfs.daemon import state_file  # noqa: E402
+from marinfs.app.daemon import state_file  # noqa: E402
 
 MARINFS = [sys.executable, "-m", "marinfs"]
 OLD = 1577923200  # 2020-01-02T00:00:00Z

@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import servers  # noqa: E402  (tests/servers.py)
-from marinfs.daemon import state_file  # noqa: E402
+from marinfs.app.daemon import state_file  # noqa: E402
 
 MiB = 1 << 20
 MARINFS = [sys.executable, "-m", "marinfs"]

@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import servers  # noqa: E402  (tests/servers.py)
-from marinfs.chunkcache import stats_file  # noqa: E402
-from marinfs.config import parse_size  # noqa: E402
-from marinfs.daemon import state_file  # noqa: E402
+from marinfs.read.chunkcache import stats_file  # noqa: E402
+from marinfs.config.mount import parse_size  # noqa: E402
+from marinfs.app.daemon import state_file  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 8 * MiB  # marinfs --chunk-size, and the range size of the parallel baseline

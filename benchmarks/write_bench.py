@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import read_bench as rb  # noqa: E402  (servers, mounts, stats, RSS sampler)
-from marinfs.config import parse_size  # noqa: E402
+from marinfs.config.mount import parse_size  # noqa: E402
 
 MiB = rb.MiB
 

@@ -1,3 +1,3 @@
-from marinfs.cli import main
+from marinfs.app.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Where a chunk cache keeps a chunk's bytes (marinfs/chunkcache.py's layout), for tests that
+"""Where a chunk cache keeps a chunk's bytes (marinfs/read/chunkcache.py's layout), for tests that
 damage them: a chunk is recorded by a file under ``chunks/`` and held at an offset of its
 version's data file under ``data/`` (or, from older daemons, by a file of its own)."""
 

@@ -176,7 +176,7 @@ def unmount(mnt: Path, timeout: float = 60) -> None:
     ``marinfs umount`` process would cost every mount another interpreter start. The command
     itself is tested in test_cli.py and wherever a test runs it on purpose."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from marinfs.daemon import unmount as marinfs_unmount
+    from marinfs.app.daemon import unmount as marinfs_unmount
     from marinfs.errors import MarinfsError
 
     with contextlib.suppress(MarinfsError, OSError):  # what is left: force_unmount, _stop_pid
@@ -185,7 +185,7 @@ def unmount(mnt: Path, timeout: float = 60) -> None:
 
 def daemon_pid(mnt: Path) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from marinfs.daemon import state_file
+    from marinfs.app.daemon import state_file
 
     return int(json.loads(state_file(str(mnt)).read_text())["pid"])
 
@@ -199,12 +199,12 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
     ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
     tiers.check("mount FUSE (inprocess_mount)")
-    from marinfs.chunkcache import ChunkCache
-    from marinfs.config import MountConfig
+    from marinfs.read.chunkcache import ChunkCache
+    from marinfs.config.mount import MountConfig
     from marinfs.core import Filesystem
-    from marinfs.fuse_ops import FuseAdapter, serve
-    from marinfs.metadata import MetadataCache
-    from marinfs.reader import ChunkFetcher
+    from marinfs.fuse.ops import FuseAdapter, serve
+    from marinfs.meta.metadata import MetadataCache
+    from marinfs.read.reader import ChunkFetcher
     from marinfs.remote import Remote
 
     mnt.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from marinfs import cli
+from marinfs.app import cli
 from mounting import MARINFS, Mounted, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
 import tiers
 
@@ -98,7 +98,7 @@ def test_metrics_that_cannot_be_served_fail_the_mount_naming_the_flag(tmp_path: 
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("marinfs: error: --metrics-addr 192.0.2.1 --metrics-port 9: "), lines[0]
-    from marinfs.daemon import state_file
+    from marinfs.app.daemon import state_file
     assert not state_file(str(mnt)).exists()
     assert not os.path.ismount(mnt)
 

@@ -305,7 +305,7 @@ def test_a_file_cached_whole_is_read_by_the_kernel_itself(remote: Remote, tmp_pa
     mapped) by the kernel from its data file, no read reaching the daemon; a handle kept open
     reads its own version to the end while another node rewrites the object, and the new
     version is read through the daemon, then passed through in turn."""
-    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+    from marinfs.fuse.ops import LIBFUSE_PASSTHROUGH
 
     if not LIBFUSE_PASSTHROUGH:
         pytest.skip("libfuse < 3.17 here: no passthrough (make libfuse builds it)")
@@ -378,7 +378,7 @@ def test_after_a_restart_a_file_cached_whole_is_passed_through_once_checked(remo
     """A restarted daemon keeps its chunk cache but has checked none of it: the first open of a
     file cached whole reads through the daemon, here one page of it, while the cache checks the
     file's checksums; later opens pass through, with no byte fetched again."""
-    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+    from marinfs.fuse.ops import LIBFUSE_PASSTHROUGH
 
     if not LIBFUSE_PASSTHROUGH:
         pytest.skip("libfuse < 3.17 here: no passthrough (make libfuse builds it)")
@@ -404,7 +404,7 @@ def eventually(check: Any, timeout: float = 10.0) -> None:
 
 
 def _libfuse_314() -> str | None:
-    from marinfs.libfuse import candidates
+    from marinfs.fuse.libfuse import candidates
 
     return next((p for p in candidates() if p.endswith(".so.3")), None)
 
@@ -415,7 +415,7 @@ def test_a_daemon_passes_files_through_only_where_it_can_and_is_let(tmp_path: Pa
     """``marinfs mount`` on a libfuse without passthrough (Debian 12's 3.14), or with
     ``--no-passthrough``, reads every file through the daemon as before; where libfuse and the
     kernel have it, files the cache holds whole are passed through. ``marinfs status`` says which."""
-    from marinfs.fuse_ops import LIBFUSE_PASSTHROUGH
+    from marinfs.fuse.ops import LIBFUSE_PASSTHROUGH
 
     env, extra = {}, []
     if how == "libfuse 3.14":

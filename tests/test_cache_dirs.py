@@ -13,8 +13,8 @@ import pytest
 
 from mounting import MARINFS, subprocess_mount
 
-from marinfs.cachecli import only_cache_under
-from marinfs.config import MountConfig, cache_root, default_cache_dir
+from marinfs.app.cachecli import only_cache_under
+from marinfs.config.mount import MountConfig, cache_root, default_cache_dir
 from marinfs.errors import UsageError
 
 

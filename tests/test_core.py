@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from marinfs.config import MountConfig, normalize_remote, parse_mode, parse_storage_option
+from marinfs.config.mount import MountConfig, normalize_remote, parse_mode, parse_storage_option
 from marinfs.errors import FsError, RemoteError, UsageError, errno_for
 from marinfs.core import Filesystem
-from marinfs.metadata import MetadataCache
-from marinfs.reader import ChunkFetcher
+from marinfs.meta.metadata import MetadataCache
+from marinfs.read.reader import ChunkFetcher
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
-from marinfs.staging import StagedFile
+from marinfs.write.staging import StagedFile
 import tiers
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -1029,8 +1029,8 @@ def test_fs_an_open_of_a_new_version_waits_a_moment_for_a_closing_old_reader(fs:
 def test_stats_and_close_are_the_filesystems_own(remote: Remote, tmp_path: Path) -> None:
     """The daemon and the metrics read one snapshot from the filesystem, and close() releases
     the chunk cache: the next daemon on the same cache directory may take it."""
-    from marinfs.chunkcache import ChunkCache
-    from marinfs.reader import ChunkFetcher
+    from marinfs.read.chunkcache import ChunkCache
+    from marinfs.read.reader import ChunkFetcher
 
     cache = ChunkCache(tmp_path / "cache", 64 << 20)
     fs = Filesystem(remote, staging_dir=tmp_path / "staging",
@@ -1087,7 +1087,7 @@ class FakeBackings:
 
 
 def passthrough_fs(remote: Remote, tmp_path: Path, backings: FakeBackings) -> Filesystem:
-    from marinfs.chunkcache import ChunkCache
+    from marinfs.read.chunkcache import ChunkCache
 
     chunk = 64 << 10
     cache = ChunkCache(tmp_path / "cache", 64 << 20, chunk_size=chunk)

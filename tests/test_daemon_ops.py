@@ -71,7 +71,7 @@ def mount_helper_installed() -> Iterator[Path]:
     helper = Path("/sbin/mount.marinfs")
     if helper.exists():
         pytest.skip("a mount.marinfs helper is already installed on this machine")
-    helper.write_text(f"#!/bin/sh\nexec {sys.executable} -m marinfs.mount_helper \"$@\"\n")
+    helper.write_text(f"#!/bin/sh\nexec {sys.executable} -m marinfs.app.mount_helper \"$@\"\n")
     helper.chmod(0o755)
     try:
         yield helper

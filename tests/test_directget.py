@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from marinfs import configfile
+from marinfs.config import file as configfile
 from marinfs.remote.s3http import S3Http
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.remote import Remote, RemoteSettings

@@ -35,9 +35,9 @@ def test_every_fault_bad_input_and_security_test_is_in_the_reliability_tables() 
 
 def test_usage_lists_every_setting_as_the_table_says() -> None:
     """docs/usage.md's settings reference is the settings table; regenerate it with
-    `python -m marinfs.config` when a setting changes."""
-    from marinfs.config import SETTINGS
-    from marinfs.settings import markdown_table
+    `python -m marinfs.config.mount` when a setting changes."""
+    from marinfs.config.mount import SETTINGS
+    from marinfs.config.settings import markdown_table
 
     text = (ROOT / "docs/usage.md").read_text()
     begin = text.index("<!-- settings table:")

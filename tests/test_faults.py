@@ -28,9 +28,9 @@ import pytest
 
 from faults import FaultPlan, FaultyFS, HttpFaultProxy
 from marinfs.errors import StaleVersionError
-from marinfs.recovery import recover
+from marinfs.write.recovery import recover
 from marinfs.remote import Remote, RemoteSettings
-from marinfs.staging import JOURNAL_SUFFIX
+from marinfs.write.staging import JOURNAL_SUFFIX
 from chunkfiles import cut_short, records, region
 from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
 import tiers
@@ -394,7 +394,7 @@ def test_a_new_version_with_the_old_size_and_mtime_is_never_served_stale(tmp_pat
 def test_conflict_copies_never_overwrite_each_other(tmp_path: Path) -> None:
     """Two kept commits of one key that both clash are committed in the same second (a clock
     jump back makes that likelier): each must keep its own bytes."""
-    from marinfs.staging import StagedFile
+    from marinfs.write.staging import StagedFile
 
     remote = Remote(f"memory://conflicts-{uuid.uuid4().hex[:8]}")
     remote.fs.mkdir(remote.root)

@@ -1,7 +1,6 @@
-"""The layers of docs/architecture.md, checked: every module imports (no cycle), nothing imports
-a module above it (function-level imports included), marinfs/remote/ imports nothing of ours
-but the ground floor, and only marinfs/remote/ touches fsspec, the cloud clients or an HTTP
-client."""
+"""The packages of docs/architecture.md, checked: every module belongs to a package and imports
+(no cycle, function-level imports included), a package imports only the packages its rule
+allows, and only marinfs/remote/ touches fsspec, the cloud clients or an HTTP client."""
 
 from __future__ import annotations
 
@@ -16,37 +15,22 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 
-# Lowest first; a module may import only modules of a lower layer. Keep in step with the table
-# in docs/architecture.md (test_the_architecture_table_is_these_layers).
-LAYERS: list[set[str]] = [
-    {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "metadata", "cachedir", "chunkio", "chunkindex", "commit", "posixmeta", "walkahead",
-     "remote.settings", "remote.dirmeta", "remote.parts"},
-    {"config", "chunkcache", "staging"},
-    {"configfile", "mount_helper", "cachecli", "reader", "remote.base", "remote.recorded", "remote.httpbody"},
-    {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
-     "remote.gcshttp"},
-    {"remote.s3", "remote.gcs"},
-    {"remote"},
-    {"recovery", "listings"},
-    {"core.paths", "core.defaults", "core.handles"},
-    {"core.kernel"},
-    {"core.writes"},
-    {"core.namespace"},
-    {"core.attributes", "core.reads"},
-    {"core.rename"},
-    {"core.filesystem"},
-    {"core"},
-    {"fuse_ops"},
-    {"daemon"},
-    {"status"},
-    {"cli"},
-    {"__main__"},
-]
-RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-# What marinfs/remote/ may import besides its own modules: value types and conversions that
-# import nothing above them ("marinfs" is the package's __init__, its version).
+# The ground floor: value types, errors and small helpers every package may use; they import
+# nothing of ours but each other.
 GROUND = {"marinfs", "errors", "objects", "checksums", "threadnames", "posixmeta"}
+# What each package may import besides itself and the ground floor. Keep in step with the table
+# in docs/architecture.md. No exceptions: a module that needs more belongs elsewhere.
+RULES: dict[str, set[str]] = {
+    "remote": set(),  # the backends: only the ground floor
+    "config": {"remote"},  # the settings table (and the remote's settings it carries)
+    "meta": {"remote"},  # metadata caches, background listings
+    "read": set(),  # chunk cache, fetcher, buffers: no remote (the fetcher is given read_range)
+    "write": {"remote"},  # staged files, commits, recovery
+    "core": {"remote", "meta", "read", "write"},  # the Filesystem facade and its rooms
+    "fuse": {"core"},  # the adapter: libfuse's calls to the core's
+    "app": {"config", "remote", "meta", "read", "write", "core", "fuse"},  # daemon, CLIs
+    "__main__": {"app"},
+}
 # Only marinfs/remote/ may import these.
 BACKEND_LIBRARIES = {"fsspec", "s3fs", "gcsfs", "botocore", "aiobotocore", "obstore", "urllib3", "aiohttp",
                      "requests", "httpx"}
@@ -61,77 +45,97 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _package(name: str) -> str:
+    """The package a module name belongs to ("ground" for the ground floor)."""
+    return "ground" if name in GROUND else name.split(".", 1)[0]
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module named by an import anywhere in the file (inside functions too)."""
+    """Every marinfs module named by an import anywhere in the file (inside functions too), as
+    a _modules() name; other modules as they are named."""
     names: set[str] = set()
+    modules = _modules()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            if node.module == "marinfs":  # from marinfs import daemon (not: import __version__)
-                names.update(f"marinfs.{alias.name}" for alias in node.names
-                             if (PACKAGE / f"{alias.name}.py").exists() or (PACKAGE / alias.name).is_dir())
+            for alias in node.names:  # from marinfs.core import writes: a module, not a name
+                inner = f"{node.module}.{alias.name}".removeprefix("marinfs.")
+                if inner in modules:
+                    names.add(f"marinfs.{inner}")
     return names
 
 
 def _ours(name: str) -> str | None:
-    """The LAYERS name of a marinfs module (None for anything else)."""
+    """The _modules() name of a marinfs module (None for anything else)."""
     if name == "marinfs":
         return "marinfs"
-    if not name.startswith("marinfs."):
-        return None
-    inner = name.removeprefix("marinfs.")
-    while inner not in RANK and "." in inner:
-        inner = inner.rsplit(".", 1)[0]
-    return inner
+    return name.removeprefix("marinfs.") if name.startswith("marinfs.") else None
 
 
-def test_every_module_has_a_layer() -> None:
-    assert set(_modules()) == set(RANK), "add new modules to LAYERS (and docs/architecture.md)"
+def test_every_module_belongs_to_a_package_with_a_rule() -> None:
+    for name in _modules():
+        assert _package(name) in RULES or _package(name) == "ground", \
+            f"{name}: put it in a package of RULES (and docs/architecture.md), or on the ground floor"
 
 
-# __main__ runs the CLI; fuse_ops loads libfuse, which the fast tiers do not have.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.mount) if n == "fuse_ops" else n
+# __main__ runs the CLI; fuse.ops loads libfuse, which the fast tiers do not have.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.mount) if n == "fuse.ops" else n
                                   for n in sorted(set(_modules()) - {"__main__"})])
 def test_module_imports_on_its_own(name: str) -> None:
     importlib.import_module("marinfs" if name == "marinfs" else f"marinfs.{name}")
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
-def test_nothing_imports_a_layer_above(name: str) -> None:
-    path = _modules()[name]
-    for imported in _imports(path):
+def test_a_package_imports_only_what_its_rule_allows(name: str) -> None:
+    package = _package(name)
+    allowed = {package, "ground"} | (set() if package == "ground" else RULES[package])
+    for imported in _imports(_modules()[name]):
         ours = _ours(imported)
-        if ours is None or ours == name:
+        if ours is None:
             continue
-        assert ours in RANK, f"{name} imports unknown module {imported}"
-        assert RANK[ours] < RANK[name], f"{name} (layer {RANK[name]}) imports {imported} (layer {RANK[ours]})"
+        assert ours in _modules(), f"{name} imports unknown module {imported}"
+        assert _package(ours) in allowed, \
+            f"{name} ({package}) imports {imported} ({_package(ours)}); {package} may import {sorted(allowed)}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in _modules() if n != "remote" and not n.startswith("remote.")))
+def test_no_import_cycle() -> None:
+    """Between modules, counting every import (inside functions too): a package's __init__
+    may re-export its modules, but no module imports its package's __init__ back."""
+    graph = {name: {o for i in _imports(path) if (o := _ours(i)) and o != name and o in _modules()}
+             for name, path in _modules().items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _modules() if _package(n) != "remote"))
 def test_only_the_remote_package_imports_backend_libraries(name: str) -> None:
     used = {imported.split(".", 1)[0] for imported in _imports(_modules()[name])} & BACKEND_LIBRARIES
     assert not used, f"marinfs/{name} imports {sorted(used)}: route it through marinfs/remote/"
 
 
-def _is_remote(name: str) -> bool:
-    return name == "remote" or name.startswith("remote.")
-
-
-@pytest.mark.parametrize("name", sorted(n for n in _modules() if _is_remote(n)))
-def test_the_remote_package_imports_only_the_ground_floor(name: str) -> None:
-    for imported in _imports(_modules()[name]):
-        ours = _ours(imported)
-        assert ours is None or _is_remote(ours) or ours in GROUND, \
-            f"{name} imports {imported}: marinfs/remote/ takes only {sorted(GROUND)} from outside it"
-
-
 def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
-    """config.py takes RemoteSettings and the writer PartStream from marinfs/remote/; the
+    """config/ takes RemoteSettings and the writer PartStream from marinfs/remote/; the
     package loads its backends (and fsspec, s3fs, gcsfs...) only when a name needs them, so the
     CLI, mount.marinfs and marinfs status start without them."""
-    code = ("import sys, marinfs.cli, marinfs.mount_helper, marinfs.staging, marinfs.status\n"
+    code = ("import sys, marinfs.app.cli, marinfs.app.mount_helper, marinfs.write.staging, marinfs.app.status\n"
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]"
             " or m == 'marinfs.remote.base')))")
     loaded = subprocess.run([sys.executable, "-c", code, *sorted(BACKEND_LIBRARIES)], capture_output=True,
@@ -139,12 +143,16 @@ def test_the_remote_packages_ground_floor_comes_without_the_backends() -> None:
     assert loaded == []
 
 
-def test_the_architecture_table_is_these_layers() -> None:
-    """docs/architecture.md's module table gives each module the layer LAYERS gives it."""
+def test_the_architecture_page_names_every_module_and_these_rules() -> None:
+    """docs/architecture.md has a line for each module (its path in backticks) and the import
+    rules as RULES has them."""
     text = (PACKAGE.parent / "docs/architecture.md").read_text()
-    table: dict[str, int] = {}
-    for layer, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M):
-        for path in re.findall(r"`([\w/]+)\.py`", cell):
-            table[path.removesuffix("/__init__").replace("/", ".")] = int(layer)
-    table["marinfs"] = 0  # marinfs/__init__.py: the version, no row of its own
-    assert table == RANK
+    for name, path in _modules().items():
+        if name in ("marinfs", "__main__") or path.name == "__init__.py":
+            continue
+        rel = path.relative_to(PACKAGE).as_posix()
+        assert f"`{rel}`" in text, f"docs/architecture.md: no line for `{rel}`"
+    rules = {}
+    for package, allowed in re.findall(r"^\| `(\w+)/` \| ([^|]*) \|", text, re.M):
+        rules[package] = {a.strip("` ").rstrip("/") for a in allowed.split(",") if a.strip() and "ground" not in a}
+    assert rules == {p: r for p, r in RULES.items() if p != "__main__"}

@@ -1,4 +1,4 @@
-"""Background listings (marinfs/listings.py) on the core Filesystem: request counts on the memory
+"""Background listings (marinfs/meta/listings.py) on the core Filesystem: request counts on the memory
 and local backends, single flight, and that a listing overtaken by our own change is dropped."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from marinfs.errors import RemoteError
 from marinfs.core import Filesystem
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.remote import ObjectInfo, Remote
 
 

@@ -560,10 +560,10 @@ class CoreTarget:
 
     def mount(self) -> None:
         """As the daemon starts: the chunk cache of the same directory, journals replayed."""
-        from marinfs.chunkcache import ChunkCache
+        from marinfs.read.chunkcache import ChunkCache
         from marinfs.core import Filesystem
-        from marinfs.reader import ChunkFetcher
-        from marinfs.recovery import recover
+        from marinfs.read.reader import ChunkFetcher
+        from marinfs.write.recovery import recover
 
         assert self.fs is None
         self.cache = ChunkCache(self.cache_dir, 64 << 20)

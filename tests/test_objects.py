@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from marinfs.chunkcache import ChunkKey
+from marinfs.read.chunkcache import ChunkKey
 from marinfs.objects import ABSENT, ObjectRef, ObjectVersion
-from marinfs.recovery import recover
+from marinfs.write.recovery import recover
 from marinfs.remote import Remote
 from marinfs.remote.base import version_of
-from marinfs.staging import JOURNAL_SUFFIX, StagedFile
+from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
 
 # Every form a version string had before ObjectVersion existed, with its kind.
 OLD_FORMS = [

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from marinfs import configfile, mount_helper
+from marinfs.config import file as configfile
+
+from marinfs.app import mount_helper
 from marinfs.errors import UsageError
-from marinfs.notify import sd_notify
+from marinfs.app.notify import sd_notify
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "marinfs@.service"
@@ -73,8 +75,8 @@ def test_every_cli_key_is_known() -> None:
     """Every `marinfs mount` flag has a config key, and every key is a MountConfig field."""
     import dataclasses
 
-    from marinfs.cli import build_parser
-    from marinfs.config import MountConfig
+    from marinfs.app.cli import build_parser
+    from marinfs.config.mount import MountConfig
 
     mount = build_parser()._subparsers._group_actions[0].choices["mount"]  # noqa: SLF001
     flags = {a.dest for a in mount._actions} - {"help", "args", "config", "foreground", "storage_option"}

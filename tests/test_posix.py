@@ -33,9 +33,9 @@ from marinfs.core.attributes import (XATTR_CREATE, XATTR_REPLACE, XATTR_SIZE_MAX
                                      XATTR_VERSION)
 from marinfs.core.writes import FALLOC_FL_KEEP_SIZE
 from marinfs.objects import NO_ATTRS, ObjectVersion, PosixAttrs
-from marinfs.recovery import recover
+from marinfs.write.recovery import recover
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX, StagedFile
+from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
 import tiers
 from conftest import BACKENDS, object_store
 from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from chunkfiles import cut_short, flip_byte, records, region
-from marinfs.chunkcache import ChunkCache, ChunkKey, lock_holder
+from marinfs.read.chunkcache import ChunkCache, ChunkKey, lock_holder
 from marinfs.errors import UsageError, errno_for
-from marinfs.reader import ChunkFetcher, ObjectReader, ObjectRef
+from marinfs.read.reader import ChunkFetcher, ObjectReader, ObjectRef
 
 KiB, MiB = 1 << 10, 1 << 20
 DATA = os.urandom(20 * MiB)
@@ -491,7 +491,7 @@ def test_a_failed_write_into_a_handed_out_file_punches_nothing(tmp_path: Path,
         def no_space(fd: int, data: object, offset: int) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr("marinfs.chunkcache.os.pwrite", no_space)
+        monkeypatch.setattr("marinfs.read.chunkcache.os.pwrite", no_space)
         cache.put(key(0, "other"), b"z")  # (evicts the other version's chunk 0 to make room)
         assert not cache.put(key(0), data[:chunk])  # into the same, still linked file: fails
         monkeypatch.undo()
@@ -535,7 +535,7 @@ def test_without_hole_punching_a_version_leaves_the_cache_whole(tmp_path: Path,
     def no_punch(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr("marinfs.chunkindex.punch_hole", no_punch)
+    monkeypatch.setattr("marinfs.read.chunkindex.punch_hole", no_punch)
     chunk = 64 * KiB
     cache = ChunkCache(tmp_path, 3 * chunk, chunk_size=chunk)
     for i in range(3):
@@ -561,7 +561,7 @@ def test_a_chunk_write_that_fails_midway_leaves_no_bytes_behind(tmp_path: Path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, memoryview(data)[:4096], offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", full_after_one)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.pwrite", full_after_one)
     assert not cache.put(key(1), b"b" * chunk)
     path = region(records(tmp_path, 0)[0])[0]
     assert _data_blocks(path) == [(0, chunk)] and records(tmp_path, 1) == []
@@ -595,7 +595,7 @@ def test_a_full_disk_degrades_to_uncached_reads(tmp_path: Path, monkeypatch: pyt
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(path, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("marinfs.chunkcache.os.open", no_space)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.open", no_space)
     fetch = RecordingFetch(DATA)
     fetcher = ChunkFetcher(fetch, cache, chunk_size=8 * MiB)
     reader = ObjectReader(ref(), fetcher)
@@ -652,7 +652,7 @@ def test_a_filesystem_without_direct_io_gets_buffered_writes(tmp_path: Path,
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
-    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", no_direct)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.pwrite", no_direct)
     cache = ChunkCache(tmp_path, 64 * MiB)
     data = os.urandom(MiB + 5)
     assert cache.put(key(1), data) and cache.put(key(2), data[:4096])
@@ -860,7 +860,7 @@ def test_a_pooled_buffer_is_never_reused_while_anyone_still_holds_it() -> None:
 
 
 def test_the_pool_keeps_at_most_its_bound_of_idle_buffers() -> None:
-    from marinfs.buffers import BufferPool
+    from marinfs.read.buffers import BufferPool
 
     pool = BufferPool(64 * KiB, keep_bytes=128 * KiB)
     views = [pool.take(64 * KiB) for _ in range(5)]
@@ -880,7 +880,7 @@ def test_unmapping_a_buffer_still_exported_by_its_dying_array_is_no_error() -> N
     """A buffer is given back by its array's finalizer, before the array is freed: a trim or a
     shrink in another thread at that moment may pick it, and must not fail (the watcher thread
     that trims a quiet mount died of the BufferError; found by a review)."""
-    from marinfs.buffers import BufferPool
+    from marinfs.read.buffers import BufferPool
 
     pool = BufferPool(MiB, keep_bytes=4 * MiB)
     view = pool.take(MiB)
@@ -897,7 +897,7 @@ def test_unmapping_a_buffer_still_exported_by_its_dying_array_is_no_error() -> N
 def test_a_small_buffer_takes_its_size_class_and_the_budget_counts_the_class() -> None:
     """A few KiB take a 16 KiB buffer, not a chunk-sized one; what the pool has mapped is
     the sum of the classes, and the idle ones beyond the bound go oldest first, any class."""
-    from marinfs.buffers import BufferPool
+    from marinfs.read.buffers import BufferPool
 
     pool = BufferPool(8 * MiB, keep_bytes=8 * MiB + 64 * KiB)
     assert pool.classes[0] == 16 * KiB and pool.classes[-1] == 8 * MiB
@@ -997,7 +997,7 @@ def test_a_pooled_buffer_is_written_in_place_with_the_same_name_and_crc(tmp_path
     """A chunk in a pooled (page-aligned, writable) buffer goes to disk with O_DIRECT from that
     very buffer, no copy into the thread's aligned buffer; its file name and CRC-32C are the
     ones ``bytes`` get, and it verifies after a restart."""
-    from marinfs.buffers import BufferPool
+    from marinfs.read.buffers import BufferPool
 
     data = os.urandom(size)
     plain = ChunkCache(tmp_path / "plain", 64 * MiB)
@@ -1038,7 +1038,7 @@ def test_a_quiet_fetcher_gives_its_memory_and_idle_buffers_back(tmp_path: Path) 
 
 
 def test_the_pool_unmaps_only_buffers_idle_long_enough() -> None:
-    from marinfs.buffers import BufferPool
+    from marinfs.read.buffers import BufferPool
 
     pool = BufferPool(MiB, keep_bytes=4 * MiB)
     views = [pool.take(MiB) for _ in range(3)]
@@ -1075,13 +1075,13 @@ def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,
         direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
         return real(fd, data, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", recording)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.pwrite", recording)
     cache = ChunkCache(tmp_path / "c", 64 * MiB)
     assert cache.put(key(1), DATA[:MiB], keep=True) and direct and not any(direct)
     direct.clear()
     assert cache.put(key(2), DATA[:MiB]) and direct and all(direct)
     assert cache.read(key(1), 0, MiB) == DATA[:MiB] == cache.read(key(2), 0, MiB)
-    monkeypatch.setattr("marinfs.chunkcache.os.pwrite", real)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.pwrite", real)
 
     seq_cache = KeepRecordingCache(tmp_path / "seq", 256 * MiB)
     fetcher = ChunkFetcher(RecordingFetch(DATA), seq_cache, chunk_size=1 * MiB)
@@ -1137,7 +1137,7 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
             advised.append(offset // MiB)  # the chunk it is in
         real(fd, offset, length, advice)
 
-    monkeypatch.setattr("marinfs.chunkcache.os.posix_fadvise", recording)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.posix_fadvise", recording)
     fetch.calls.clear()
     fetcher = ChunkFetcher(fetch, cache, chunk_size=1 * MiB)
     reader = ObjectReader(ref(len(data)), fetcher)
@@ -1158,7 +1158,7 @@ def test_a_warm_dense_random_reader_has_the_disk_read_the_rest_ahead(tmp_path: P
         direct.append(bool(flags & os.O_DIRECT))
         return real_open(path, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("marinfs.chunkcache.os.open", opening)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.open", opening)
     for off in range(20 * MiB, 40 * MiB, 256 * KiB):
         assert reader.read(256 * KiB, off) == data[off:off + 256 * KiB]
     fetcher.settle()
@@ -1235,7 +1235,7 @@ def test_the_warm_sweep_reads_ahead_only_what_memory_can_keep(tmp_path: Path,
             advised.append(fd)
         real(fd, offset, length, advice)
 
-    monkeypatch.setattr("marinfs.chunkcache.os.posix_fadvise", recording)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.posix_fadvise", recording)
     order = [17, 3, 25, 9]  # an eighth of the chunks: the sweep starts
     for available, expect in ((2 * len(data) - 1, 0), (2 * len(data), 32 - len(order))):
         advised.clear()
@@ -1271,7 +1271,7 @@ def test_warm_readahead_loads_cached_chunks_with_o_direct(tmp_path: Path, monkey
         opened.append((str(offset // (4 * MiB)), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr("marinfs.chunkcache.os.preadv", recording)
+    monkeypatch.setattr("marinfs.read.chunkcache.os.preadv", recording)
     fetch.calls.clear()
     cache = ChunkCache(tmp_path, 256 * MiB)  # restarted: chunks unverified
     fetcher = ChunkFetcher(fetch, cache, chunk_size=4 * MiB, memory_bytes=32 * MiB)

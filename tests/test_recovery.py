@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from marinfs.core import Filesystem
-from marinfs.recovery import recover
+from marinfs.write.recovery import recover
 from marinfs.remote import Remote
-from marinfs.status import format_failed
-from marinfs.staging import JOURNAL_SUFFIX, StagedFile
+from marinfs.app.status import format_failed
+from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
 from mounting import subprocess_mount
 from test_cli import assert_one_line_error, marinfs
 import tiers
@@ -178,7 +178,7 @@ def test_a_journal_that_meets_a_full_staging_disk_leaves_no_file(tiny_tmpfs: Pat
 
 
 def test_a_journal_write_that_fails_removes_its_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import marinfs.staging as staging
+    import marinfs.write.staging as staging
 
     def full(fd: int, data: bytes) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")

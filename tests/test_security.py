@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from marinfs.daemon import state_file
+from marinfs.app.daemon import state_file
 from marinfs.errors import UsageError
 from marinfs.core import Filesystem
 from marinfs.remote import Remote
-from marinfs.mounts import MountEntry, convert
+from marinfs.app.mounts import MountEntry, convert
 from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
 
 NOBODY = 65534

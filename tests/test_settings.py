@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from marinfs.config import SETTINGS
-from marinfs.settings import CHILD, ENV, FLAG, FSTAB, TOML
+from marinfs.config.mount import SETTINGS
+from marinfs.config.settings import CHILD, ENV, FLAG, FSTAB, TOML
 from mounting import MARINFS, _stop_pid, daemon_pid, force_unmount
 
 # How flags, variables and fstab options write a value when str() would not do.
@@ -234,7 +234,7 @@ def test_every_setting_reaches_the_daemon(route: str, values: dict[str, Any], tm
         env = clean_env(**env_vars(values, names))
         command = [*MARINFS, "mount", "--foreground"]
     else:
-        command = [sys.executable, "-m", "marinfs.mount_helper", values["remote"], str(mnt),
+        command = [sys.executable, "-m", "marinfs.app.mount_helper", values["remote"], str(mnt),
                    "-o", fstab_options(values, names)]
     want = {name: shown(name, values[name]) for name in names}
     if route in (FSTAB, CHILD):
@@ -252,9 +252,9 @@ def test_every_setting_reaches_the_daemon(route: str, values: dict[str, Any], tm
 def test_the_child_command_reads_back_as_the_same_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without mounting: the background child's argv and environment, parsed as the child
     parses them, give back exactly the parent's config, whatever MARINFS_* the parent had."""
-    from marinfs.cli import _mount_config, build_parser
-    from marinfs.config import MountConfig
-    from marinfs.daemon import child_command
+    from marinfs.app.cli import _mount_config, build_parser
+    from marinfs.config.mount import MountConfig
+    from marinfs.app.daemon import child_command
 
     values = samples(tmp_path)
     values.pop("foreground")
@@ -283,8 +283,8 @@ def test_the_read_path_switches_are_settings_of_the_environment_only() -> None:
     """MARINFS_DIRECT_GET, _OBSTORE, _GET, _PART_CHECKSUM and _FETCH_INTO are rows of the table
     read by the environment route (no flag, no file key, no fstab option), reach the remote
     through its RemoteSettings, and a bad value is one line that names the variable."""
-    from marinfs import configfile
-    from marinfs.config import BY_NAME, MountConfig
+    from marinfs.config import file as configfile
+    from marinfs.config.mount import BY_NAME, MountConfig
     from marinfs.remote import RemoteSettings
     from marinfs.errors import UsageError
 

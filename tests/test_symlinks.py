@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from marinfs.core import Filesystem
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.remote import Remote
 from mounting import Mounted, fsspec_client, inprocess_mount, remote_find, subprocess_mount
 

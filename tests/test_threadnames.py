@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from marinfs.reader import ChunkFetcher
+from marinfs.read.reader import ChunkFetcher
 from marinfs.threadnames import set_os_name, start_thread
 
 

@@ -1,4 +1,4 @@
-"""A walker's next small files fetched ahead of it (marinfs/walkahead.py): the window rules as
+"""A walker's next small files fetched ahead of it (marinfs/read/walkahead.py): the window rules as
 units, then on the core Filesystem over memory and local remotes, counted in GETs."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import tiers
 
 from marinfs.core import Filesystem
 from marinfs.objects import ObjectInfo, ObjectVersion
-from marinfs.reader import ChunkFetcher
+from marinfs.read.reader import ChunkFetcher
 from marinfs.remote import Remote
-from marinfs.walkahead import WalkAhead
+from marinfs.read.walkahead import WalkAhead
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -114,8 +114,8 @@ def test_a_chunk_fetched_ahead_leaves_memory_once_on_disk(tmp_path: Path) -> Non
     """A walker's open of a file cached whole may be served by the disk or the kernel itself
     (passthrough), never from memory: the fetched-ahead chunk is let go once it is on disk
     (on S3 a walk over 20,000 files kept the budget full of them)."""
-    from marinfs.chunkcache import ChunkCache
-    from marinfs.reader import ObjectRef
+    from marinfs.read.chunkcache import ChunkCache
+    from marinfs.read.reader import ObjectRef
 
     data = os.urandom(40 * KiB)
     calls = []

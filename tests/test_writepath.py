@@ -623,7 +623,7 @@ def test_a_fuse_write_reaches_the_staging_file_as_a_view_of_libfuses_buffer(tmp_
     would read memory libfuse reuses."""
     import ctypes
 
-    from marinfs.fuse_ops import _Fuse
+    from marinfs.fuse.ops import _Fuse
 
     fd = os.open(tmp_path / "staged", os.O_RDWR | os.O_CREAT, 0o600)
     got: list[Any] = []

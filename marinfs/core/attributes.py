@@ -19,10 +19,10 @@ from marinfs.core.namespace import Namespace
 from marinfs.core.paths import key_of
 from marinfs.core.writes import Writes
 from marinfs.errors import FsError, PreconditionFailed
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
-from marinfs.staging import StagedFile
+from marinfs.write.staging import StagedFile
 
 # Read-only attributes that tell a tool outside Python where a file lives and which version a
 # read pins; the whole user.marinfs.* namespace is ours (EPERM to set). Other user.* attributes

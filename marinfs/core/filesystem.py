@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from marinfs.commit import FailedCommit
+from marinfs.write.commit import FailedCommit
 from marinfs.core.attributes import Attributes
 from marinfs.core.defaults import Defaults
 
@@ -39,14 +39,14 @@ from marinfs.core.reads import Reads
 from marinfs.core.rename import Renamer
 from marinfs.core.writes import Writes
 from marinfs.errors import FsError
-from marinfs.listings import ListingPrefetcher
-from marinfs.metadata import MetadataCache
+from marinfs.meta.listings import ListingPrefetcher
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, PosixAttrs
-from marinfs.reader import ChunkFetcher
-from marinfs.recovery import Recovered
+from marinfs.read.reader import ChunkFetcher
+from marinfs.write.recovery import Recovered
 from marinfs.remote import Remote
 from marinfs.threadnames import start_thread
-from marinfs.walkahead import WalkAhead
+from marinfs.read.walkahead import WalkAhead
 
 log = logging.getLogger(__name__)
 

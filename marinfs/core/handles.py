@@ -13,8 +13,8 @@ from typing import Protocol
 
 from marinfs.errors import FsError
 from marinfs.objects import ObjectInfo, ObjectVersion
-from marinfs.reader import ObjectReader
-from marinfs.staging import StagedFile
+from marinfs.read.reader import ObjectReader
+from marinfs.write.staging import StagedFile
 
 
 @dataclass

@@ -23,10 +23,10 @@ from marinfs.core.defaults import Defaults
 from marinfs.core.handles import Backing, Backings, Handle, HandleTable, Opened, PageUsers
 from marinfs.core.paths import under
 from marinfs.errors import FsError
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, ObjectVersion, cache_id
-from marinfs.reader import ChunkFetcher
-from marinfs.staging import StagedFile
+from marinfs.read.reader import ChunkFetcher
+from marinfs.write.staging import StagedFile
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from marinfs.core.kernel import KernelView, shown_time, with_size_and_time
 from marinfs.core.paths import NAME_MAX, PATH_MAX, ROOT, entries_changed, key_of
 from marinfs.core.writes import Writes, staged_info
 from marinfs.errors import FsError, RemoteError, StaleVersionError
-from marinfs.listings import ListingPrefetcher
-from marinfs.metadata import MetadataCache
+from marinfs.meta.listings import ListingPrefetcher
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.remote import LINK_SUFFIX, Remote
 

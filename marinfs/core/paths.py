@@ -10,7 +10,7 @@ import errno
 import posixpath
 
 from marinfs.errors import FsError
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo
 from marinfs.remote import Remote
 

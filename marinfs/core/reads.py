@@ -13,10 +13,10 @@ from marinfs.core.handles import Handle, HandleTable
 from marinfs.core.kernel import KernelView
 from marinfs.core.namespace import Namespace
 from marinfs.errors import StaleVersionError
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, ObjectRef, ObjectVersion
-from marinfs.reader import ChunkFetcher, ObjectReader
-from marinfs.staging import StagedFile
+from marinfs.read.reader import ChunkFetcher, ObjectReader
+from marinfs.write.staging import StagedFile
 
 
 class Reads:

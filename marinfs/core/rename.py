@@ -21,11 +21,11 @@ from marinfs.core.namespace import Namespace
 from marinfs.core.paths import entries_changed, key_of, under
 from marinfs.core.writes import Writes
 from marinfs.errors import FsError
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import Copied, ObjectInfo, ObjectRef, ObjectVersion
-from marinfs.reader import ObjectReader
+from marinfs.read.reader import ObjectReader
 from marinfs.remote import Remote
-from marinfs.staging import StagedFile
+from marinfs.write.staging import StagedFile
 
 # A read handle to move: (handle, its key and version then, new key, new version).
 Move = tuple[Handle, str, ObjectVersion, str, ObjectVersion]

@@ -20,16 +20,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from marinfs.commit import RETRY_NEXT_START, FailedCommit, commit_or_conflict, describe, is_permanent, retry_of
+from marinfs.write.commit import RETRY_NEXT_START, FailedCommit, commit_or_conflict, describe, is_permanent, retry_of
 from marinfs.core.handles import Handle
 from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
-from marinfs.recovery import Recovered, recover
+from marinfs.write.recovery import Recovered, recover
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
+from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
 
 log = logging.getLogger(__name__)
 

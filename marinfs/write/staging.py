@@ -117,7 +117,7 @@ class StagedFile:
         self.fd = fd
         self.key = key
         # The journal says what these bytes are, so a daemon that died before committing them
-        # can commit them on its next start (marinfs.recovery). It exists exactly while the
+        # can commit them on its next start (marinfs.write.recovery). It exists exactly while the
         # staged file holds bytes the remote lacks.
         self.journal_path = self.path + JOURNAL_SUFFIX
         self.remote_url = remote_url
@@ -347,7 +347,7 @@ class StagedFile:
                ) -> ObjectVersion | None:
         """Upload the staged bytes if the remote lacks them; raises the upload's error, and
         PreconditionFailed when the remote object is not ``expect`` (default: the version the
-        writer started from). ``key`` commits elsewhere (a conflict copy; marinfs.commit decides
+        writer started from). ``key`` commits elsewhere (a conflict copy; marinfs.write.commit decides
         where and what it expects). Answers the new version if known.
 
         ``attrs`` go with the upload (``upload(..., attrs=)``, only when set, so a plain file's

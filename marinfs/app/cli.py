@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from marinfs import __version__
-from marinfs.config import BY_NAME, SETTINGS, MountConfig, cache_root, normalize_remote
+from marinfs.config.mount import BY_NAME, SETTINGS, MountConfig, cache_root, normalize_remote
 from marinfs.errors import MarinfsError, UsageError
-from marinfs.settings import BOOL, FLAG, Bad, Setting
+from marinfs.config.settings import BOOL, FLAG, Bad, Setting
 
 log = logging.getLogger("marinfs")
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _mount_config(ns: argparse.Namespace) -> MountConfig:
     """Settings from the config file < MARINFS_* variables < flags, then MountConfig defaults."""
-    from marinfs import configfile
+    from marinfs.config import file as configfile
 
     if len(ns.args) > 2:
         raise UsageError("mount takes [REMOTE] MOUNTPOINT")
@@ -130,7 +130,7 @@ def run(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "mount":
         cfg = _mount_config(ns)
-        from marinfs import daemon
+        from marinfs.app import daemon
 
         if cfg.foreground:
             daemon.run_foreground(cfg)
@@ -140,7 +140,8 @@ def run(argv: list[str]) -> int:
                   f"stop with: marinfs umount {cfg.mountpoint}")
         return 0
     if ns.command == "umount":
-        from marinfs import configfile, daemon
+        from marinfs.config import file as configfile
+        from marinfs.app import daemon
 
         mountpoint = ns.mountpoint
         if mountpoint is None and ns.config:
@@ -150,18 +151,18 @@ def run(argv: list[str]) -> int:
         daemon.unmount(mountpoint, timeout=ns.timeout, lazy=ns.lazy)
         return 0
     if ns.command == "status":
-        from marinfs import status
+        from marinfs.app import status
 
         data = status.collect(ns.mountpoint)
         print(json.dumps(data, indent=2) if ns.json else status.format_status(data))
         return 0
     if ns.command == "config":
-        from marinfs import configfile
+        from marinfs.config import file as configfile
 
         print(configfile.check(ns.file))
         return 0
     if ns.command == "cache":
-        from marinfs import cachecli
+        from marinfs.app import cachecli
 
         if ns.cache_command == "warm":
             if ns.workers < 1:
@@ -176,7 +177,7 @@ def run(argv: list[str]) -> int:
             print(f"removed {cachecli.clear(cache_dir)} chunks from {cache_dir}")
         return 0
     if ns.command == "path":
-        from marinfs.mounts import convert, live_mounts
+        from marinfs.app.mounts import convert, live_mounts
 
         print(convert(ns.arg, live_mounts()))
         return 0

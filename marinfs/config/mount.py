@@ -4,7 +4,7 @@ Each field's default is the only place that default is written (the rows a remot
 theirs from RemoteSettings, remote/settings.py); flags, the TOML file, MARINFS_* variables,
 fstab options, the background child and docs/usage.md read it from here.
 
-``python -m marinfs.config > table.md`` prints docs/usage.md's settings table.
+``python -m marinfs.config.mount > table.md`` prints docs/usage.md's settings table.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from marinfs.errors import UsageError
 from marinfs.remote.settings import RemoteSettings
-from marinfs.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
+from marinfs.config.settings import (ADDRESS, BOOL, CHILD, CHOICE, DIR, ENV, FLAG, GLOBS, INT, LOG_LEVELS, MODE, OPTIONS,
                               PATH, REMOTE, SECONDS, SIZE, TOML, Bad, Setting, markdown_table, normalize_remote,
                               parse_mode, parse_size, parse_storage_option, setting, table)
 
@@ -222,5 +222,5 @@ __all__ = ["BY_NAME", "LOG_LEVELS", "SETTINGS", "MountConfig", "cache_root", "de
            "normalize_remote", "parse_mode", "parse_size", "parse_storage_option"]
 
 
-if __name__ == "__main__":  # python -m marinfs.config > table.md: regenerate the docs table
+if __name__ == "__main__":  # python -m marinfs.config.mount > table.md: regenerate the docs table
     print(markdown_table(SETTINGS))

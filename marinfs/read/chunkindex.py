@@ -22,7 +22,7 @@ from pathlib import Path
 
 from marinfs.objects import ObjectRef, ObjectVersion, cache_id
 
-log = logging.getLogger("marinfs.chunkcache")  # one name for the chunk cache's lines, as before its split
+log = logging.getLogger("marinfs.read.chunkcache")  # one name for the chunk cache's lines, as before its split
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from marinfs.config import SETTINGS
+from marinfs.config.mount import SETTINGS
 from marinfs.errors import UsageError
-from marinfs.settings import ENV, OPTIONS, TOML, Bad, Setting
+from marinfs.config.settings import ENV, OPTIONS, TOML, Bad, Setting
 
 FILE_SETTINGS: dict[str, Setting] = {s.name: s for s in SETTINGS if s.allows(TOML)}
 ENV_SETTINGS: dict[str, Setting] = {s.env_name: s for s in SETTINGS if s.allows(ENV)}

@@ -3,7 +3,7 @@
 Every staged file with uncommitted bytes has a journal beside it (see staging.py): the remote,
 the key, the version the writer started from, and the POSIX attributes set on it (journals
 written before those existed have none: the file is committed without). At start (and periodically for failed
-commits) each journal of this remote is replayed through marinfs.commit, the same rule as a
+commits) each journal of this remote is replayed through marinfs.write.commit, the same rule as a
 close: if the object is still at that base version, the bytes are committed to the key; if
 someone else changed it meanwhile, they are committed next to it as
 ``KEY.marinfs-conflict-<UTC time>-<id>`` and the other writer's object is left alone. Nothing is
@@ -29,11 +29,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from marinfs.commit import commit_or_conflict, conflict_name, describe, is_permanent
+from marinfs.write.commit import commit_or_conflict, conflict_name, describe, is_permanent
 from marinfs.errors import CURABLE_ERRNOS, final_errno
 from marinfs.objects import ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
-from marinfs.staging import JOURNAL_SUFFIX, attrs_from_json, mark_final, note_upload_in_journal
+from marinfs.write.staging import JOURNAL_SUFFIX, attrs_from_json, mark_final, note_upload_in_journal
 
 __all__ = ["Recovered", "conflict_name", "recover"]
 
@@ -47,7 +47,7 @@ class Recovered:
     committed_as: str | None  # None when the commit failed (bytes still kept)
     conflict: bool = False
     error: str | None = None  # why the commit failed (one line)
-    permanent: bool = False  # the failure will not pass by retrying (see marinfs.commit)
+    permanent: bool = False  # the failure will not pass by retrying (see marinfs.write.commit)
     final: int | None = None  # its errno when no retry can change it (errors.FINAL_ERRNOS)
     tried: bool = True  # False: a final failure left alone this time (nothing was sent)
 

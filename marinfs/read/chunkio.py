@@ -39,7 +39,7 @@ HAS_CRC32C = _crc32c is not None  # new chunks are named for CRC-32C; without it
 # without the interpreter lock.
 _crc32c_extend = crc32c_extend if _crc32c is not None else None
 
-log = logging.getLogger("marinfs.chunkcache")  # one name for the chunk cache's lines, as before its split
+log = logging.getLogger("marinfs.read.chunkcache")  # one name for the chunk cache's lines, as before its split
 Buffer = Any  # anything with the buffer protocol: bytes, obstore's Bytes
 
 ALIGN = 4096  # O_DIRECT wants block-aligned sizes and buffers; 4 KiB suits every common disk

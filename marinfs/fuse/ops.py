@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 # mfusepy picks libfuse2 when libfuse.so.2 exists; we need libfuse3 (1 MiB requests), the newest
 # one installed (3.17 and later can pass files through to the kernel).
 os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
-from marinfs.libfuse import pick_libfuse  # noqa: E402
+from marinfs.fuse.libfuse import pick_libfuse  # noqa: E402
 
 pick_libfuse()
 import mfusepy as fuse  # noqa: E402
@@ -133,7 +133,7 @@ class FuseAdapter(fuse.Operations):
     """mfusepy operations over a Filesystem. With ``raw_fi`` the file info struct is passed in."""
 
     use_ns = True
-    metrics: Any = None  # a marinfs.metrics.Metrics when --metrics-port is set
+    metrics: Any = None  # a marinfs.app.metrics.Metrics when --metrics-port is set
     on_destroy: Any = None  # called when the session ends, before open files are committed
 
     def __init__(self, fs: Filesystem, uid: int, gid: int, file_mode: int, dir_mode: int,

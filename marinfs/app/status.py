@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from marinfs.chunkcache import stats_file
-from marinfs.daemon import alive, state_file
+from marinfs.read.chunkcache import stats_file
+from marinfs.app.daemon import alive, state_file
 from marinfs.errors import UsageError
-from marinfs.mounts import live_mounts
-from marinfs.settings import human_size
+from marinfs.app.mounts import live_mounts
+from marinfs.config.settings import human_size
 
 
 def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:

@@ -53,8 +53,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from marinfs.buffers import BufferPool
-from marinfs.chunkcache import ChunkCache, ChunkKey
+from marinfs.read.buffers import BufferPool
+from marinfs.read.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
 from marinfs.threadnames import name_current
 

@@ -8,10 +8,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from marinfs.chunkcache import disk_usage, lock_holder, stats_file, wipe
+from marinfs.read.chunkcache import disk_usage, lock_holder, stats_file, wipe
 from marinfs.errors import MarinfsError, UsageError
-from marinfs.mounts import live_mounts
-from marinfs.settings import human_size
+from marinfs.app.mounts import live_mounts
+from marinfs.config.settings import human_size
 
 WARM_READ = 8 << 20
 

@@ -24,7 +24,7 @@ from functools import partial
 
 from cachetools import TTLCache
 
-from marinfs.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo
 from marinfs.remote import Remote
 from marinfs.threadnames import name_current

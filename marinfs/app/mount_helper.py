@@ -13,9 +13,9 @@ import shlex
 import sys
 from collections.abc import Iterable
 
-from marinfs.config import SETTINGS
+from marinfs.config.mount import SETTINGS
 from marinfs.errors import UsageError
-from marinfs.settings import BOOL, FSTAB
+from marinfs.config.settings import BOOL, FSTAB
 
 PROG = "mount.marinfs"
 

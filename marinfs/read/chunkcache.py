@@ -20,7 +20,7 @@ bytes they count, data files, kept descriptors, pins), its counters, and its own
 ``_verifying``, ``_verifier`` and ``_closed``. The rooms behind it: cachedir.py (the directory's
 layout, record names, its lock, `marinfs cache`'s usage and wipe), chunkio.py (checksums,
 ``O_DIRECT`` writes, whole reads), chunkindex.py (the LRU index, its bound and eviction). What
-other modules import from them is imported here too, so ``from marinfs.chunkcache import ...``
+other modules import from them is imported here too, so ``from marinfs.read.chunkcache import ...``
 works as before the split.
 """
 
@@ -34,10 +34,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from marinfs.cachedir import (acquire_lock, chunk_size_of, chunks_dir, data_dir, data_file, disk_usage, lock_holder,
+from marinfs.read.cachedir import (acquire_lock, chunk_size_of, chunks_dir, data_dir, data_file, disk_usage, lock_holder,
                               parse_record, record_name, staging_dir, stats_file, unfinished, wipe)
-from marinfs.chunkindex import CacheStats, ChunkIndex, ChunkKey, Entry, KeptFd, punch_region
-from marinfs.chunkio import (ALIGN, HAS_CRC32C, Buffer, DirectIO, aligned_address, checksum_at, read_whole,
+from marinfs.read.chunkindex import CacheStats, ChunkIndex, ChunkKey, Entry, KeptFd, punch_region
+from marinfs.read.chunkio import (ALIGN, HAS_CRC32C, Buffer, DirectIO, aligned_address, checksum_at, read_whole,
                              readahead_limit)
 from marinfs.threadnames import name_current
 

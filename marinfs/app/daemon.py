@@ -16,12 +16,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from marinfs.chunkcache import acquire_lock, staging_dir, stats_file
-from marinfs.config import SETTINGS, MountConfig, cache_root
+from marinfs.read.chunkcache import acquire_lock, staging_dir, stats_file
+from marinfs.config.mount import SETTINGS, MountConfig, cache_root
 from marinfs.errors import MountError, UsageError
-from marinfs.mounts import live_mounts
-from marinfs.notify import sd_notify
-from marinfs.settings import CHILD, ENV
+from marinfs.app.mounts import live_mounts
+from marinfs.app.notify import sd_notify
+from marinfs.config.settings import CHILD, ENV
 from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,10 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
     limit_malloc_arenas()
-    from marinfs.chunkcache import ChunkCache
+    from marinfs.read.chunkcache import ChunkCache
     from marinfs.core import Filesystem
-    from marinfs.metadata import MetadataCache
-    from marinfs.reader import ChunkFetcher
+    from marinfs.meta.metadata import MetadataCache
+    from marinfs.read.reader import ChunkFetcher
     from marinfs.remote import Remote
 
     remote = Remote(cfg.remote, dict(cfg.storage_options), cfg.remote_settings())
@@ -238,11 +238,11 @@ def run_foreground(cfg: MountConfig) -> None:
     check_overlap(cfg.remote, cfg.mountpoint)
     check_empty(cfg.mountpoint, cfg.allow_non_empty)
     fs = build_filesystem(cfg)
-    from marinfs.fuse_ops import FuseAdapter, serve
+    from marinfs.fuse.ops import FuseAdapter, serve
 
     adapter = FuseAdapter(fs, cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode, passthrough=cfg.passthrough)
     if cfg.metrics_port:
-        from marinfs.metrics import Metrics
+        from marinfs.app.metrics import Metrics
 
         adapter.metrics = Metrics(fs)
         try:
