@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 # in docs/architecture.md.
 LAYERS: list[set[str]] = [
     {"marinfs", "errors", "objects", "notify", "metrics", "buffers", "checksums", "threadnames", "libfuse"},
-    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead"},
+    {"settings", "mounts", "uploads", "chunkcache", "metadata", "commit", "dirmeta", "posixmeta", "walkahead",
+     "sharedcache"},
     {"config", "cachecli", "reader", "staging"},
     {"configfile", "mount_helper", "remote.base", "remote.recorded", "remote.httpbody"},
     {"remote.generic", "remote.local", "remote.objectstore", "remote.s3http", "remote.s3obstore",
