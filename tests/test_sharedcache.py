@@ -389,3 +389,96 @@ def test_pooled_buffers_are_checksummed_in_place(shared: Path) -> None:
     a.settle()
     data, source = b.get(obj, 0, CHUNK, fetch, pool.take)
     assert source == "shared" and bytes(data) == content(obj, 0, CHUNK)
+
+
+# -- wired into the read path (reader.ChunkFetcher), each "node" with its own disk cache ---------
+
+class CountingRemote:
+    """A remote of one object: fetches counted in bytes, read into the fetcher's buffer."""
+
+    def __init__(self, obj: ObjectRef, delay: float = 0.0) -> None:
+        self.obj = obj
+        self.data = content(obj, 0, obj.size)
+        self.delay = delay
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def fetch(self, key: str, start: int, end: int, version) -> bytes:  # noqa: ANN001
+        with self.lock:
+            self.bytes += end - start
+        if self.delay:
+            time.sleep(self.delay)
+        return self.data[start:end]
+
+    def fetch_into(self, key: str, start: int, end: int, version, buf: memoryview) -> None:  # noqa: ANN001
+        buf[:] = self.fetch(key, start, end, version)
+
+
+def fetcher_node(tmp: Path, shared: Path, remote: CountingRemote, name: str):
+    from marinfs.chunkcache import ChunkCache
+    from marinfs.reader import ChunkFetcher
+
+    cache = ChunkCache(tmp / name, 1 << 30, 0, chunk_size=CHUNK)
+    return ChunkFetcher(remote.fetch, cache, chunk_size=CHUNK, workers=4, memory_bytes=8 * CHUNK,
+                        fetch_into=remote.fetch_into, shared=node(shared))
+
+
+def read_all(fetcher, obj: ObjectRef) -> bytes:
+    from marinfs.reader import ObjectReader
+
+    reader = ObjectReader(obj, fetcher)
+    out = bytearray()
+    while len(out) < obj.size:
+        out += reader.read(256 << 10, len(out))
+    reader.close()
+    return bytes(out)
+
+
+def test_fetchers_sharing_a_tier_fetch_an_object_from_the_bucket_once(tmp_path: Path, shared: Path) -> None:
+    obj = obj_of(size=16 * CHUNK + 123)
+    remote = CountingRemote(obj)
+    first = fetcher_node(tmp_path, shared, remote, "n1")
+    try:
+        assert read_all(first, obj) == remote.data
+        first.settle()
+        first.shared.settle()
+        assert remote.bytes == obj.size
+        assert first.sources() == {"local": 0, "shared": 0, "bucket": obj.size}
+    finally:
+        first.close()
+    second = fetcher_node(tmp_path, shared, remote, "n2")
+    try:
+        assert read_all(second, obj) == remote.data
+        assert remote.bytes == obj.size  # nothing more from the bucket
+        assert second.sources()["shared"] == obj.size and second.sources()["bucket"] == 0
+        second.settle()
+        second.drop_memory()
+        assert read_all(second, obj) == remote.data  # now from its own disk: the first tier
+        assert second.sources()["local"] == obj.size and second.sources()["shared"] == obj.size
+    finally:
+        second.close()
+
+
+def test_fetchers_reading_together_fetch_about_one_copy(tmp_path: Path, shared: Path) -> None:
+    obj = obj_of(size=24 * CHUNK)
+    remote = CountingRemote(obj, delay=0.02)
+    nodes = [fetcher_node(tmp_path, shared, remote, f"n{i}") for i in range(4)]
+    start = threading.Barrier(len(nodes))
+    results: list[bytes] = []
+
+    def run(f) -> None:  # noqa: ANN001
+        start.wait()
+        results.append(read_all(f, obj))
+
+    try:
+        threads = [threading.Thread(target=run, args=(f,)) for f in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [remote.data] * 4
+        assert remote.bytes <= 1.1 * obj.size, remote.bytes / obj.size
+        assert sum(f.sources()["bucket"] for f in nodes) == remote.bytes
+    finally:
+        for f in nodes:
+            f.close()
