@@ -482,3 +482,35 @@ def test_fetchers_reading_together_fetch_about_one_copy(tmp_path: Path, shared: 
     finally:
         for f in nodes:
             f.close()
+
+
+def test_cache_gc_shared_from_the_command_line(shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from marinfs import cli
+
+    bucket = Bucket()
+    tier = node(shared)
+    for i in range(3):
+        get(tier, bucket, obj_of(f"f{i}", size=CHUNK))
+    tier.settle()
+    assert cli.main(["cache", "gc", "--shared", str(shared), "--limit", str(CHUNK + TRAILER.size), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["used_bytes"] <= CHUNK + TRAILER.size and out["evicted_bytes"] >= 2 * CHUNK
+    assert len(list((shared / "chunks").glob("*/*"))) <= 1
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    assert cli.main(["cache", "gc", "--shared", str(open_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "writable by group or others" in err
+
+
+def test_status_says_where_chunks_came_from_and_a_degraded_tier(shared: Path) -> None:
+    from marinfs.status import format_status
+
+    tier = node(shared)
+    tier._degrade(tier._down, "slow: read chunk took over 3 s")
+    item = {"mountpoint": "/mnt", "remote": "s3://b", "sources": {"local": 1 << 20, "shared": 2 << 30, "bucket": 0},
+            "shared": tier.snapshot()}
+    text = format_status([item])
+    assert "chunks from: local disk 1.0 MiB, shared tier 2.0 GiB, bucket 0 B" in text
+    assert "DEGRADED: slow: read chunk took over 3 s" in text
