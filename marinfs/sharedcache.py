@@ -208,6 +208,7 @@ class SharedTier:
         self._publishing = 0
         self._writing = 0  # bytes this node is writing into the tier now (not seen by a scan yet)
         self._room = threading.Lock()  # one make-room step at a time on this node
+        self._slot_freed = threading.Condition(self._lock)
         self.max_publishing = max(2, workers)  # chunks waiting to be published; past that, skipped
         for sub in ("chunks", "leases", "tmp"):
             with contextlib.suppress(OSError):  # a read-only tier is still read
@@ -375,12 +376,18 @@ class SharedTier:
 
     def publish(self, name: str, data: Any, leased: bool = False) -> None:
         """Write chunk ``name`` into the tier in the background (then let its lease go, so the
-        nodes waiting for it find it). Skipped, and the lease let go, when too many wait."""
-        with self._lock:
-            busy = self._publishing >= self.max_publishing
-            if not busy:
-                self._publishing += 1
-        if busy or not self.writable():
+        nodes waiting for it find it). When ``max_publishing`` chunks wait already, the caller
+        (a fetch) waits for a slot, ``io_timeout`` at most: a node fetches no faster than the
+        shared directory takes what it fetched (skipping would send every other node to the
+        bucket for it). Past that, skipped, and the lease let go."""
+        busy = not self.writable()
+        if not busy:
+            with self._slot_freed:
+                busy = not self._slot_freed.wait_for(lambda: self._publishing < self.max_publishing,
+                                                     self.io_timeout)
+                if not busy:
+                    self._publishing += 1
+        if busy:
             self._count("publish_skipped")
             if leased:
                 self._call(self._release, name)
@@ -390,6 +397,9 @@ class SharedTier:
         except RuntimeError:  # shut down
             with self._lock:
                 self._publishing -= 1
+                self._slot_freed.notify()
+            if leased:
+                self._call(self._release, name)
 
     def _publish(self, name: str, data: Any, leased: bool) -> None:
         size = len(data) + TRAILER.size
@@ -406,6 +416,7 @@ class SharedTier:
                 if room:
                     self._writing -= size
                 self._publishing -= 1
+                self._slot_freed.notify()
             if leased:
                 self._call(self._release, name)
 

@@ -514,3 +514,22 @@ def test_status_says_where_chunks_came_from_and_a_degraded_tier(shared: Path) ->
     text = format_status([item])
     assert "chunks from: local disk 1.0 MiB, shared tier 2.0 GiB, bucket 0 B" in text
     assert "DEGRADED: slow: read chunk took over 3 s" in text
+
+
+def test_a_fetch_waits_for_a_publishing_slot_instead_of_skipping(shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node fetching faster than the directory takes its chunks waits (briefly): each chunk it
+    fetched is published, so no other node goes to the bucket for it."""
+    bucket = Bucket()
+    tier = node(shared)
+    tier.max_publishing = 1
+    real = tier._write_chunk
+
+    def slow(name, data):  # noqa: ANN001
+        time.sleep(0.05)
+        return real(name, data)
+
+    monkeypatch.setattr(tier, "_write_chunk", slow)
+    for i in range(6):
+        get(tier, bucket, obj_of(), i)
+    tier.settle()
+    assert tier.snapshot()["published"] == 6 and tier.snapshot()["publish_skipped"] == 0
