@@ -238,11 +238,11 @@ class SharedTier:
             if mine is None:  # the tier failed us just now: the bucket
                 return fetch(), "bucket"
             if mine:
-                if not first:  # its holder may have published it and let go since our last look
-                    data = self._lookup(name, size, take, count=False)
-                    if data is not None:
-                        self._call(self._release, name)
-                        return data, "shared"
+                # Another node may have published it and let its lease go since our last look.
+                data = self._lookup(name, size, take, count=False)
+                if data is not None:
+                    self._call(self._release, name)
+                    return data, "shared"
                 return self._fetch_and_publish(name, fetch, leased=True), "bucket"
             if first:
                 first = False

@@ -533,3 +533,24 @@ def test_a_fetch_waits_for_a_publishing_slot_instead_of_skipping(shared: Path, m
         get(tier, bucket, obj_of(), i)
     tier.settle()
     assert tier.snapshot()["published"] == 6 and tier.snapshot()["publish_skipped"] == 0
+
+
+def test_a_chunk_published_between_a_miss_and_the_lease_is_not_fetched_again(
+        shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = Bucket()
+    a, b = node(shared), node(shared)
+    obj = obj_of()
+    real = b._read_chunk
+    looks = []
+
+    def late(name, buf):  # noqa: ANN001 - b looks just before a publishes and lets its lease go
+        looks.append(name)
+        if len(looks) == 1:
+            get(a, bucket, obj)
+            a.settle()
+            return False
+        return real(name, buf)
+
+    monkeypatch.setattr(b, "_read_chunk", late)
+    assert get(b, bucket, obj)[1] == "shared"
+    assert bucket.gets == 1
