@@ -47,6 +47,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "inode_ttl": 60.0,
         "immutable": ["ckpt/**", "*.bin"], "list_prefetch": False, "max_file_size": 1 << 40, "chunk_size": 1 << 20,
         "cache_size": 64 << 20, "cache_min_free": 2 << 20, "prefetch_workers": 3,
+        "shared_cache_dir": str(tmp / "shared"), "shared_cache_size": 1 << 30, "shared_cache_lease": 2.5,
         "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
@@ -260,6 +261,7 @@ def test_the_child_command_reads_back_as_the_same_config(tmp_path: Path, monkeyp
     values.pop("foreground")
     values["storage_options"] = (("auto_mkdir", True), ("token", "secret-value"))
     values["cache_dir"] = Path(values["cache_dir"])
+    values["shared_cache_dir"] = Path(values["shared_cache_dir"])
     cfg = MountConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}).validate()
     argv, env = child_command(cfg, {"MARINFS_CACHE_SIZE": "1G", "MARINFS_PYTHON": "/bin/py", "PATH": "/bin"})
     assert env["MARINFS_PYTHON"] == "/bin/py" and "MARINFS_CACHE_SIZE" not in env  # ours are flags now

@@ -71,6 +71,27 @@ def clear(cache_dir: Path) -> int:
     return wipe(cache_dir)
 
 
+def gc_shared(shared_dir: Path, limit: int) -> dict:
+    """`marinfs cache gc --shared DIR`: what a timer runs on one node. Evicts the shared tier
+    down to ``limit``, removes temporary files crashes left and leases long expired."""
+    from marinfs.read.sharedcache import SharedTier, check_private
+
+    if not shared_dir.is_dir():
+        raise UsageError(f"{shared_dir} is not a directory")
+    check_private(shared_dir, create=False)
+    tier = SharedTier(shared_dir, limit, workers=1)
+    try:
+        return {"shared_dir": str(shared_dir), **tier.gc()}
+    finally:
+        tier.close()
+
+
+def format_gc(data: dict) -> str:
+    return (f"{data['shared_dir']}: {human_size(data['used_bytes'])} / {human_size(data['limit_bytes'])} "
+            f"after evicting {human_size(data['evicted_bytes'])}; removed {data['tmp_removed']} leftover "
+            f"temporary files, {data['leases_removed']} expired leases")
+
+
 def _files(paths: list[str]) -> list[Path]:
     mounts = [e.mountpoint for e in live_mounts()]
     files: list[Path] = []

@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         one.add_argument("--cache-dir", type=Path, default=None)
         if name == "stats":
             one.add_argument("--json", action="store_true")
+    g = csub.add_parser("gc", help="keep a shared tier within its limit (run on one node, from a timer)")
+    g.add_argument("--shared", type=Path, required=True, metavar="DIR", help="the --shared-cache-dir")
+    g.add_argument("--limit", type=_flag_type(BY_NAME["shared_cache_size"]), default=None, metavar="SIZE",
+                   help="its limit (default: the shared_cache_size default)")
+    g.add_argument("--json", action="store_true")
     w = csub.add_parser("warm", help="read files or trees under a mount into its cache")
     w.add_argument("paths", nargs="+", metavar="PATH")
     w.add_argument("--workers", type=int, default=4)
@@ -168,6 +173,11 @@ def run(argv: list[str]) -> int:
             if ns.workers < 1:
                 raise UsageError("--workers must be >= 1")
             print(cachecli.warm(ns.paths, workers=ns.workers, quiet=ns.quiet))
+            return 0
+        if ns.cache_command == "gc":
+            limit = ns.limit if ns.limit is not None else BY_NAME["shared_cache_size"].default
+            data = cachecli.gc_shared(ns.shared.absolute(), limit)
+            print(json.dumps(data, indent=2) if ns.json else cachecli.format_gc(data))
             return 0
         cache_dir = ns.cache_dir.absolute() if ns.cache_dir else cachecli.only_cache_under(cache_root())
         if ns.cache_command == "stats":

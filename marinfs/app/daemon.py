@@ -93,6 +93,20 @@ def check_overlap(remote: str, mountpoint: str) -> None:
                      f"mount a directory outside the mountpoint")
 
 
+def check_shared_dir(cfg: MountConfig) -> None:
+    """The shared tier's directory (--shared-cache-dir): made 0700 if missing, refused with one
+    line if another user owns it or others can write it (they could feed every node bytes), or
+    if it lies inside the mountpoint (the daemon would read its own mount)."""
+    if cfg.shared_cache_dir is None:
+        return
+    from marinfs.read.sharedcache import check_private
+
+    shared, mount = os.path.realpath(cfg.shared_cache_dir), os.path.realpath(cfg.mountpoint)
+    if shared == mount or shared.startswith(mount.rstrip("/") + "/"):
+        raise UsageError(f"--shared-cache-dir {cfg.shared_cache_dir} is inside the mountpoint {cfg.mountpoint}")
+    check_private(Path(cfg.shared_cache_dir))
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -136,9 +150,16 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
     # workers busy for one reader (96 MiB by default); more readers share it (their windows
     # shrink) instead of multiplying it.
     budget = min(cfg.max_readahead_chunks + cfg.prefetch_workers, 3 * cfg.prefetch_workers // 2) * cfg.chunk_size
+    shared = None
+    if cfg.shared_cache_dir is not None:
+        from marinfs.read.sharedcache import SharedTier, check_private
+
+        check_private(Path(cfg.shared_cache_dir))
+        shared = SharedTier(Path(cfg.shared_cache_dir), cfg.shared_cache_size, lease_ttl=cfg.shared_cache_lease,
+                            workers=cfg.prefetch_workers)
     fetcher = ChunkFetcher(remote.read_buffer, cache, chunk_size=cfg.chunk_size,
                            workers=cfg.prefetch_workers, memory_bytes=max(4 * cfg.chunk_size, budget),
-                           fetch_into=remote.read_into if cfg.fetch_into else None)
+                           fetch_into=remote.read_into if cfg.fetch_into else None, shared=shared)
     metadata = MetadataCache(ttl=cfg.metadata_ttl, negative_ttl=cfg.negative_ttl, list_ttl=cfg.list_ttl,
                              immutable=cfg.immutable)
     fs = Filesystem(remote, staging_dir=staging_dir(cfg.cache_dir), metadata=metadata,
@@ -165,13 +186,20 @@ def write_stats(fs, cfg: MountConfig, started: float, stopped: bool = False) -> 
     """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600); ``stopped``:
     the last figures, once unmounted and drained (`marinfs umount` reads what is left behind)."""
     data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
-            "uptime_s": round(time.monotonic() - started, 1), "stopped": stopped, **fs.stats()}
+            "uptime_s": round(time.monotonic() - started, 1), "stopped": stopped, **fs.stats(),
+            **fetcher_stats(fs.fetcher)}
     path = stats_file(cfg.cache_dir)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+
+
+def fetcher_stats(fetcher) -> dict:  # noqa: ANN001 - a ChunkFetcher
+    """Chunk bytes by source and the shared tier's state (which Filesystem.stats does not carry)."""
+    shared = getattr(fetcher, "shared", None)
+    return {"sources": fetcher.sources(), "shared": shared.snapshot() if shared is not None else None}
 
 
 # A mount with no read for this long gives its chunk memory and pooled buffers back (up to the
@@ -237,6 +265,7 @@ def run_foreground(cfg: MountConfig) -> None:
     check_mountpoint(cfg.mountpoint)
     check_overlap(cfg.remote, cfg.mountpoint)
     check_empty(cfg.mountpoint, cfg.allow_non_empty)
+    check_shared_dir(cfg)
     fs = build_filesystem(cfg)
     from marinfs.fuse.ops import FuseAdapter, serve
 
@@ -294,6 +323,7 @@ def start_background(cfg: MountConfig) -> Path:
     check_mountpoint(cfg.mountpoint)
     check_overlap(cfg.remote, cfg.mountpoint)
     check_empty(cfg.mountpoint, cfg.allow_non_empty)
+    check_shared_dir(cfg)
     # The remote (URL, bucket, endpoint, credentials) is checked once, by the daemon before it
     # mounts: checking it here too cost every mount a second import of s3fs or gcsfs (1-4 s)
     # and a second request. Bad input still fails with its one line and exit code 2 (below).

@@ -69,6 +69,21 @@ class _LayerCollector(Collector):
                                       value=snap["bytes_fetched"])
             yield GaugeMetricFamily("marinfs_cache_used_bytes", "Chunk cache size", value=snap["bytes_used"])
             yield GaugeMetricFamily("marinfs_cache_limit_bytes", "Chunk cache limit", value=snap["bytes_limit"])
+        # Chunk bytes by source, and the shared tier (the fetcher's own counters).
+        fetcher = getattr(self.fs, "fetcher", None)
+        if fetcher is not None and hasattr(fetcher, "sources"):
+            by_source = CounterMetricFamily("marinfs_chunk_bytes", "Chunk bytes got, by source", labels=["source"])
+            for source, n in sorted(fetcher.sources().items()):
+                by_source.add_metric([source], n)
+            yield by_source
+            shared = fetcher.shared.snapshot() if fetcher.shared is not None else None
+            if shared is not None:
+                for name in ("hits", "misses", "published", "lease_waits", "lease_timeouts", "leases_broken",
+                             "corrupt", "evicted", "timeouts", "errors"):
+                    yield CounterMetricFamily(f"marinfs_shared_{name}", f"Shared tier {name.replace('_', ' ')}",
+                                              value=shared[name])
+                yield GaugeMetricFamily("marinfs_shared_degraded", "1 while the shared tier is skipped or read-only",
+                                        value=0 if shared["state"] == "ok" else 1)
         passthrough = stats["passthrough"]
         yield CounterMetricFamily("marinfs_passthrough_opens", "Opens the kernel reads from the cache by itself",
                                   value=passthrough["opens"])

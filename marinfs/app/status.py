@@ -39,7 +39,8 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())
                 if published.get("pid") == info.get("pid"):
-                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "memory", "passthrough")
+                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "memory", "passthrough",
+                                                              "sources", "shared")
                                  if k in published})
             if "uptime_s" not in item and isinstance(info.get("started"), (int, float)):
                 # Nothing published yet (the daemon publishes every 2 s): the state file's start.
@@ -71,6 +72,13 @@ def format_status(items: list[dict[str, Any]]) -> str:
             lines.append(f"  chunk memory {human_size(memory['used'] + memory['reserved'])} / "
                          f"{human_size(memory['limit'])}, buffers mapped {human_size(memory['buffers_mapped'])} "
                          f"(peak {human_size(memory['buffers_peak'])})")
+        sources = it.get("sources")
+        if sources:
+            lines.append(f"  chunks from: local disk {human_size(sources['local'])}, shared tier "
+                         f"{human_size(sources['shared'])}, bucket {human_size(sources['bucket'])}")
+        shared = it.get("shared")
+        if shared:
+            lines.append(format_shared(shared))
         through = it.get("passthrough")
         if through:
             lines.append(f"  passthrough: {'on' if through['on'] else 'off'}, {through['opens']} opens, "
@@ -91,6 +99,14 @@ def format_status(items: list[dict[str, Any]]) -> str:
                       for c in conflicts[-10:]]
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
+
+
+def format_shared(shared: dict[str, Any]) -> str:
+    """The shared tier's line: where, its state (degraded: why), what it served and published."""
+    state = shared["state"] if shared["state"] == "ok" else f"{shared['state'].upper()}: {shared.get('reason', '')}"
+    return (f"  shared tier {shared['dir']}: {state}; {shared['hits']} hits, {shared['misses']} misses, "
+            f"{shared['published']} published, {shared['lease_waits']} lease waits, "
+            f"{shared['corrupt']} damaged, ~{human_size(shared['used_estimate'])} / {human_size(shared['limit'])}")
 
 
 def format_failed(f: dict[str, Any]) -> str:

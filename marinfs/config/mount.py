@@ -126,6 +126,20 @@ class MountConfig:
     # The on-disk chunk cache: a hard limit (0 disables it) and a free-space floor.
     cache_size: int = setting(20 << 30, kind=SIZE, low=0, help="hard limit of the chunk cache (0: no disk cache)")
     cache_min_free: int = setting(1 << 30, kind=SIZE, low=0, help="free space the cache leaves on its disk")
+    # The shared chunk tier (sharedcache.py, docs/caching.md): a directory every node mounts; a
+    # chunk missing here is looked for there before the bucket, and fetched once for all nodes.
+    shared_cache_dir: Path | None = setting(
+        None, kind=DIR, doc_default="none (off)",
+        help="a directory on a filesystem every node mounts, shared as a second chunk cache tier",
+        doc="a directory on a filesystem every node mounts (NFS, Filestore, Lustre): a second chunk "
+            "cache tier, so each chunk is fetched from the bucket once for all nodes; created 0700, refused "
+            "if another user owns it or others can write it (see "
+            "[caching.md](caching.md#the-shared-tier-one-bucket-read-for-many-nodes))")
+    shared_cache_size: int = setting(100 << 30, kind=SIZE, low=0,
+                                     help="limit of the shared tier (each node evicts to keep it)")
+    shared_cache_lease: float = setting(
+        10.0, kind=SECONDS, low=0.1, high=3600,
+        help="seconds a node's claim to fetch a shared chunk holds; others wait that long at most, then fetch")
     # Parallel ranged GETs ahead of sequential readers, and how far ahead (chunks) at most.
     prefetch_workers: int = setting(
         8, kind=INT, low=1, help="parallel ranged GETs ahead of sequential readers",

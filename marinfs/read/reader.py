@@ -56,6 +56,7 @@ from typing import Any
 from marinfs.read.buffers import BufferPool
 from marinfs.read.chunkcache import ChunkCache, ChunkKey
 from marinfs.objects import ObjectRef
+from marinfs.read.sharedcache import SharedTier
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,13 @@ class ChunkFetcher:
 
     def __init__(self, fetch: Fetch, cache: ChunkCache | None, chunk_size: int = 8 << 20,
                  workers: int = 8, memory_bytes: int = 64 << 20, split: int = 4,
-                 fetch_into: FetchInto | None = None) -> None:
+                 fetch_into: FetchInto | None = None, shared: SharedTier | None = None) -> None:
         self.fetch = fetch
+        # The second tier (sharedcache.py): a chunk not on this node's disk is looked for there
+        # before the bucket, and one fetched from the bucket is published there.
+        self.shared = shared
+        self._sources = {"local": 0, "shared": 0, "bucket": 0}  # chunk bytes by where they came from
+        self._sources_lock = threading.Lock()
         # With ``fetch_into``, a chunk is fetched into a pooled page-aligned buffer (buffers.py)
         # that the disk cache writes from and readers copy from: no allocation, no copy more.
         self.fetch_into = fetch_into
@@ -193,6 +199,7 @@ class ChunkFetcher:
             dest[:] = memoryview(data)[offset:offset + size]
             return
         if future is None and self.cache is not None and self.cache.read_into(ck, dest, offset):
+            self._count_source("local", size)
             return
         if future is None:
             future, owner = self._claim(ck, hold=True)  # a demand fetch is held for its reader too
@@ -398,6 +405,27 @@ class ChunkFetcher:
             return buf
         return self._fetch_split(obj, start, end, step)
 
+    def _fetch_tiered(self, obj: ObjectRef, start: int, end: int, split: bool) -> Any:
+        """``[start, end)`` of ``obj`` from the shared tier, else the bucket (see _fetch)."""
+        if self.shared is None:
+            data, source = self._fetch(obj, start, end, split), "bucket"
+        else:
+            take = self.buffers.take if self.fetch_into is not None else (lambda n: memoryview(bytearray(n)))
+            data, source = self.shared.get(obj, start, end, lambda: self._fetch(obj, start, end, split), take)
+        self._count_source(source, len(data))
+        return data
+
+    def _count_source(self, source: str, n: int) -> None:
+        with self._sources_lock:
+            self._sources[source] += n
+
+    def sources(self) -> dict[str, int]:
+        """Chunk bytes this mount got, by source: its disk cache (``local``: read by readers or
+        loaded into memory), the shared tier, the bucket. The kernel's page cache and passthrough
+        reads never reach the daemon: not counted."""
+        with self._sources_lock:
+            return dict(self._sources)
+
     def _fetch_split(self, obj: ObjectRef, start: int, end: int, step: int) -> Any:
         bounds = [(lo, min(end, lo + step)) for lo in range(start, end, step)]
         if self.fetch_into is None:
@@ -434,7 +462,9 @@ class ChunkFetcher:
             data = self._load(ck, end - start) if cached else None
             loaded = data is not None
             if data is None:
-                data = self._fetch(obj, start, end, split=demand)
+                data = self._fetch_tiered(obj, start, end, split=demand)
+            else:
+                self._count_source("local", len(data))
             if len(data) != end - start:
                 raise EOFError(f"short read of {obj.key}: {len(data)} of {end - start} bytes at {start}")
             with self._lock:
@@ -545,6 +575,8 @@ class ChunkFetcher:
         self._split_pool.shutdown(wait=True, cancel_futures=True)
         self._walk_pool.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)  # every fetched chunk is on disk before we stop
+        if self.shared is not None:
+            self.shared.close()  # what was fetched is published (for a bounded time)
 
 
 class ObjectReader:

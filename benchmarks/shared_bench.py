@@ -1,0 +1,204 @@
+"""The shared chunk tier's acceptance figures (issue 35): several daemons on this machine, each
+with its own mount and local cache directory, sharing one directory, stand for several nodes.
+
+Starts SeaweedFS via ``tests/servers.py``, uploads one random object (``--size``, 1 GiB) and
+measures, each case with fresh mounts, empty caches and the page cache dropped:
+
+  a. one mount alone, cold, no shared tier: its time (the reference)
+  b. one mount alone, cold, with an empty shared tier
+  c. N mounts (``--mounts``, 4) reading the object at the same moment, cold, sharing one
+     directory: bucket bytes per mount, each mount's time, slowest / (a)
+  d. the same N mounts one after another (tier emptied first): bucket bytes per mount, and
+     mounts 2..N's speed against reading the shared directory's chunk files directly (``cat``,
+     page cache dropped)
+  e. each daemon's peak RSS (VmHWM)
+
+Bucket bytes are each daemon's ``marinfs_chunk_bytes{source="bucket"}`` (its metrics), plus
+``bytes_in`` of its remote (every GET). Needs root (drop_caches) and fuse3:
+
+    python benchmarks/shared_bench.py --size 1G --mounts 4 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import servers  # noqa: E402  (tests/servers.py)
+from mounting import fsspec_client, subprocess_mount  # noqa: E402
+from marinfs.config.mount import parse_size  # noqa: E402
+
+MiB = 1 << 20
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {f"chunk_{m.group(1)}": float(m.group(2))
+           for m in re.finditer(r'^marinfs_chunk_bytes(?:_total)?\{source="(\w+)"\} (\S+)$', text, re.M)}
+    m = re.search(r'^marinfs_remote_bytes(?:_total)?\{direction="in"\} (\S+)$', text, re.M)
+    out["remote_in"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_file(path: Path) -> float:
+    """Seconds to read ``path`` with 1 MiB reads."""
+    started = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.read(fd, MiB):
+            pass
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+class Mounts:
+    def __init__(self, server, url: str, base: Path, n: int, shared: Path | None) -> None:  # noqa: ANN001
+        self.stack = ExitStack()
+        self.nodes = []
+        for i in range(n):
+            port = free_port()
+            extra = ["--metrics-port", str(port)]
+            if shared is not None:
+                extra += ["--shared-cache-dir", str(shared)]
+            mnt, cache = base / f"mnt{i}", base / f"cache{i}"
+            shutil.rmtree(cache, ignore_errors=True)
+            pid = self.stack.enter_context(subprocess_mount(url, mnt, cache, *extra, env=server.env()))
+            self.nodes.append({"mnt": mnt, "port": port, "pid": pid})
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, together: bool,  # noqa: ANN001
+         obj: str) -> dict:
+    if shared is not None:
+        shutil.rmtree(shared, ignore_errors=True)
+        shared.mkdir(mode=0o700)
+    mounts = Mounts(server, url, base / name, n, shared)
+    try:
+        drop_caches()
+        before = [metrics(node["port"]) for node in mounts.nodes]
+        times: list[float] = [0.0] * n
+        if together:
+            barrier = threading.Barrier(n)
+
+            def run(i: int) -> None:
+                barrier.wait()
+                times[i] = read_file(mounts.nodes[i]["mnt"] / obj)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for i, node in enumerate(mounts.nodes):
+                times[i] = read_file(node["mnt"] / obj)
+                time.sleep(1.0)  # the last chunks' publishing, in the background
+        after = [metrics(node["port"]) for node in mounts.nodes]
+        per = [{k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in range(n)]
+        rss = [peak_rss(node["pid"]) for node in mounts.nodes]
+    finally:
+        mounts.close()
+    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss}
+
+
+def direct_read(shared: Path) -> float:
+    """Seconds to read every chunk file of the shared directory (page cache dropped)."""
+    drop_caches()
+    files = sorted(p for p in (shared / "chunks").glob("*/*"))
+    started = time.perf_counter()
+    for p in files:
+        with open(p, "rb") as f:
+            while f.read(MiB):
+                pass
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--mounts", type=int, default=4)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    size = parse_size(args.size)
+    n = args.mounts
+    base = Path(tempfile.mkdtemp(prefix="shared-bench-"))
+    server = servers.start_seaweedfs(base / "seaweedfs")
+    results: dict = {"size": size, "mounts": n}
+    try:
+        url = f"s3://{server.bucket}/bench-{uuid.uuid4().hex[:8]}"
+        client, root = fsspec_client(url, server.storage_options())
+        with client.open(f"{root}/model.bin", "wb", block_size=64 * MiB) as f:
+            left = size
+            while left:
+                block = os.urandom(min(64 * MiB, left))
+                f.write(block)
+                left -= len(block)
+        shared = base / "shared"
+        cases = [case(server, url, base, "alone", 1, None, False, "model.bin"),
+                 case(server, url, base, "alone-tier", 1, shared, False, "model.bin"),
+                 case(server, url, base, "together", n, shared, True, "model.bin"),
+                 case(server, url, base, "in-turn", n, shared, False, "model.bin")]
+        results["cases"] = cases
+        results["direct_shared_seconds"] = direct_read(shared)
+    finally:
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    alone = results["cases"][0]["seconds"][0]
+    gib = size / (1 << 30)
+    print(f"object {size / MiB:.0f} MiB, {n} mounts; one mount alone {alone:.2f} s "
+          f"({size / MiB / alone:.0f} MiB/s)")
+    for c in results["cases"]:
+        bucket = [m["chunk_bucket"] / MiB for m in c["moved"]]
+        remote = [m["remote_in"] / MiB for m in c["moved"]]
+        print(f"{c['case']:>10}: seconds {[round(s, 2) for s in c['seconds']]}, slowest / alone "
+              f"{max(c['seconds']) / alone:.2f}; bucket MiB per mount {[round(b, 1) for b in bucket]} "
+              f"(all GETs {[round(r, 1) for r in remote]}), in all {sum(remote) / 1024:.3f} GiB "
+              f"for {gib:.3f} GiB; peak RSS MiB {[round(r / MiB) for r in c['peak_rss']]}")
+    turn = results["cases"][3]["seconds"][1:]
+    direct = results["direct_shared_seconds"]
+    print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
+          f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
