@@ -51,6 +51,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
+        "write_back": True, "write_back_uploads": 4, "commit_markers": ["**/DONE"],
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
         # The read path's switches: a local remote has none of those paths, so they change nothing else.
@@ -82,8 +83,9 @@ def flag_args(values: dict[str, Any], names: list[str]) -> list[str]:
             continue
         if isinstance(value, bool):
             args.append(dashed(name) if value else "--no-" + dashed(name)[2:])
-        elif name == "immutable":
-            args += [a for glob in value for a in ("--immutable", glob)]
+        elif name in ("immutable", "commit_markers"):  # (GLOBS: the flag repeated)
+            flag = "--immutable" if name == "immutable" else "--commit-marker"
+            args += [a for glob in value for a in (flag, glob)]
         elif name == "storage_options":
             args += [a for k, v in value.items() for a in ("-o", f"{k}={json.dumps(v)}")]
         else:
@@ -110,8 +112,8 @@ def env_vars(values: dict[str, Any], names: list[str]) -> dict[str, str]:
         value = values[name]
         if isinstance(value, bool):
             out["MARINFS_" + name.upper()] = "true" if value else "false"
-        elif name == "immutable":
-            out["MARINFS_IMMUTABLE"] = ",".join(value)
+        elif name in ("immutable", "commit_markers"):
+            out["MARINFS_" + name.upper()] = ",".join(value)
         elif name == "storage_options":
             out["MARINFS_STORAGE_OPTIONS"] = json.dumps(value)
         else:

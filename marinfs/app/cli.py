@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     cfsub = cf.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
     cfsub.add_parser("check", help="validate FILE and print a summary").add_argument("file")
 
+    sy = sub.add_parser("sync", help="return once every file closed under PATH is in the bucket (--write-back)")
+    sy.add_argument("paths", nargs="*", metavar="PATH", help="files or directories in mounts (default: every mount)")
+    sy.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+
     p = sub.add_parser("path", help="convert a URL under a mounted prefix to its path, and back")
     p.add_argument("arg")
     return parser
@@ -185,6 +189,11 @@ def run(argv: list[str]) -> int:
             print(json.dumps(data, indent=2) if ns.json else cachecli.format_stats(data))
         else:
             print(f"removed {cachecli.clear(cache_dir)} chunks from {cache_dir}")
+        return 0
+    if ns.command == "sync":
+        from marinfs.app import synccli
+
+        print(synccli.sync(ns.paths, quiet=ns.quiet))
         return 0
     if ns.command == "path":
         from marinfs.app.mounts import convert, live_mounts

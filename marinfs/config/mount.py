@@ -172,6 +172,24 @@ class MountConfig:
                            help="attempts per remote call for transient failures")
     mount_timeout: float = setting(60.0, kind=SECONDS, low=0,
                                    help="seconds `mount` (and the daemon) wait for the mount to come up")
+    # Write-back (docs/semantics.md#write-back): close returns once the bytes are staged and
+    # journaled; uploads run in the background; deletes, renames, commit markers, `marinfs sync`
+    # and unmount wait for what was closed before them.
+    write_back: bool = setting(
+        False, kind=BOOL, help="close returns once the bytes are staged; uploads run in the background",
+        doc="close returns once the bytes are staged and journaled; uploads run in the background, in "
+            "closing order; unlink, rmdir, rename, a commit marker's close, `marinfs sync` and unmount "
+            "wait for what was closed before them (see [semantics.md](semantics.md#write-back))")
+    write_back_uploads: int = setting(16, kind=INT, low=1, high=256,
+                                      help="background uploads at once (--write-back)")
+    # Files others take as "everything before me is there": in write-back, committed at their
+    # close after every file closed before them. Marin's executor and Hadoop/Spark markers.
+    commit_markers: tuple[str, ...] = setting(
+        ("**/.executor_status", "**/_SUCCESS", "**/commit_success.txt"), kind=GLOBS, flag="--commit-marker",
+        routes=_NOT_FSTAB, doc_default="Marin's `.executor_status`, `_SUCCESS`, `commit_success.txt`",
+        help="paths of commit markers (repeatable): with --write-back committed at close after all closed before",
+        doc="paths of files others take as commit points (repeatable; in a file a list): with "
+            "`--write-back` each is committed at its close, after every file closed before it")
     # Unmount and SIGTERM wait this long for pending commits; what is left keeps its journal
     # and is committed by the next start. Failed commits are retried every interval.
     drain_timeout: float = setting(

@@ -30,6 +30,7 @@ from marinfs.write.staging import StagedFile
 XATTR_URL = "user.marinfs.url"
 XATTR_VERSION = "user.marinfs.version"
 XATTR_OURS = "user.marinfs."
+XATTR_SYNC = "user.marinfs.sync"  # read: a barrier (``marinfs sync``; Filesystem.sync)
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags (linux/xattr.h)
 XATTR_SIZE_MAX = 65536  # one value, as the kernel and ext4 allow
 # (All of a file's attributes together: what the store keeps, ``Remote.attrs_fit``.)

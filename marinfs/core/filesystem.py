@@ -23,12 +23,13 @@ import os
 import posixpath
 import stat
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from marinfs.write.commit import FailedCommit
-from marinfs.core.attributes import Attributes
+from marinfs.core.attributes import XATTR_SYNC, Attributes
 from marinfs.core.defaults import Defaults
 
 from marinfs.core.handles import Backings, Handle, HandleTable, Opened
@@ -58,7 +59,8 @@ class Filesystem:
                  read_only: bool = False, fetcher: ChunkFetcher | None = None,
                  max_readahead_chunks: int = 32, drain_timeout: float = 300.0,
                  list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
-                 uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40) -> None:
+                 uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40,
+                 write_back: bool = False, write_back_uploads: int = 16, commit_markers: tuple[str, ...] = ()) -> None:
         self.remote = remote
         self.read_only = read_only
         self.staging_dir = staging_dir
@@ -76,7 +78,9 @@ class Filesystem:
         staged: dict = {}
         self.kernel = KernelView(self._lock, self.handles, staged, self.fetcher, remote.url, self.metadata,
                                  self.defaults)
-        self.writes = Writes(self._lock, remote, self.metadata, self.kernel, staging_dir, max_file_size)
+        self.writes = Writes(self._lock, remote, self.metadata, self.kernel, staging_dir, max_file_size,
+                             write_back=write_back, write_back_uploads=write_back_uploads,
+                             commit_markers=commit_markers)
         self.kernel.staged = self.writes.staged
         self.namespace = Namespace(self._lock, remote, self.metadata, self.listings, self.handles, self.kernel,
                                    self.writes, self.defaults)
@@ -173,7 +177,22 @@ class Filesystem:
         self.attributes.set_attributes(path, mode=mode, uid=uid, gid=gid, mtime_ns=mtime_ns, fh=fh)
 
     def getxattr(self, path: str, name: str) -> bytes:
+        if name == XATTR_SYNC:
+            return self.sync(path)
         return self.attributes.getxattr(path, name)
+
+    def sync(self, path: str) -> bytes:
+        """``marinfs sync PATH`` (getxattr of ``user.marinfs.sync``): returns once every file
+        closed under PATH before it is in the bucket; EIO if one's bytes are kept after a failed
+        commit. Answers how many are pending anywhere after it (for a progress line)."""
+        key = key_of(path)
+        self.lookup(key)
+        self.writes.barrier(key or None)
+        failed = self.writes.failed_under(key)
+        if failed:
+            raise FsError(errno.EIO, f"{len(failed)} file(s) under /{key} failed to upload and are kept: "
+                          + ", ".join(failed[:5]))
+        return b"0"
 
     def listxattr(self, path: str) -> list[str]:
         return self.attributes.listxattr(path)
@@ -262,12 +281,16 @@ class Filesystem:
         return self.writes.write(self.handles.get(fh), data, offset)
 
     def flush(self, fh: int) -> None:
-        """Commit on close: returns only once the remote has the bytes, or raises its error."""
+        """Commit on close: returns only once the remote has the bytes, or raises its error
+        (write-back: once they are staged, the upload queued; see Writes.flush)."""
         handle = self.handles.get(fh)
         if handle.staged is not None:
-            self.writes.commit(handle.staged)
+            self.writes.flush(handle.staged)
 
-    fsync = flush
+    def fsync(self, fh: int) -> None:
+        handle = self.handles.get(fh)
+        if handle.staged is not None:
+            self.writes.fsync(handle.staged)
 
     def release(self, fh: int) -> None:
         handle = self.kernel.release(fh)
@@ -305,8 +328,10 @@ class Filesystem:
         self._writable()
         self.namespace.symlink(target, path)
 
+    # A delete or rename never overtakes an upload (write-back): it waits for what was closed before it.
     def unlink(self, path: str) -> None:
         self._writable()
+        self.writes.barrier()
         self.namespace.unlink(path)
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
@@ -315,26 +340,33 @@ class Filesystem:
 
     def rmdir(self, path: str) -> None:
         self._writable()
+        self.writes.barrier()
         self.namespace.rmdir(path)
 
     def rename(self, old: str, new: str) -> None:
         self._writable()
+        self.writes.barrier()
         self.renamer.rename(old, new)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close_all(self) -> None:
         """Release every handle (unmount): commits what can be committed within the drain
-        timeout; what is left stays staged with its journal for the next start to commit."""
+        timeout, and in write-back waits for the uploads queued; what is left stays staged with
+        its journal for the next start to commit."""
         if self.listings is not None:
             self.listings.close()  # nothing will read ahead any more
+        started = time.monotonic()
         worker = start_thread(self._close_all, "marinfs-drain")
         worker.join(self.drain_timeout)
         self.drained = not worker.is_alive()
+        if self.writes.write_back is not None:
+            left = max(0.0, self.drain_timeout - (time.monotonic() - started))
+            self.drained = self.writes.write_back.close(left) and self.drained
         if not self.drained:
-            left = self.writes.pending()
+            left_keys = self.writes.pending()
             log.error("unmount: pending commits did not finish within %.0f s; %d file(s) stay staged "
                       "in %s with journals and are committed on the next start: %s",
-                      self.drain_timeout, len(left), self.staging_dir, ", ".join(left[:20]))
+                      self.drain_timeout, len(left_keys), self.staging_dir, ", ".join(left_keys[:20]))
 
     def _close_all(self) -> None:
         for fh in self.handles.numbers():

@@ -16,7 +16,7 @@ from marinfs.errors import StaleVersionError
 from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, ObjectRef, ObjectVersion
 from marinfs.read.reader import ChunkFetcher, ObjectReader
-from marinfs.write.staging import StagedFile
+from marinfs.write.staging import StagedFile, StagedFileGone
 
 
 class Reads:
@@ -45,7 +45,11 @@ class Reads:
             other = self.staged.get(handle.key)  # another handle's uncommitted writes
             staged = other if other is not None and other.dirty else None
         if staged is not None:
-            return staged.read_into(dest, offset)
+            try:
+                return staged.read_into(dest, offset)
+            except StagedFileGone:  # committed and dropped meanwhile: the object has its bytes
+                if handle.staged is staged:
+                    raise
         reader = self._reader(handle)
         try:
             n = reader.read_into(dest, offset)

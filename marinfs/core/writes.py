@@ -1,5 +1,11 @@
 """Writes: the staged files of this mount, their commits, and the commits that failed.
 
+Default mode: a close (flush) commits, and returns the upload's error. Write-back
+(``--write-back``): a close queues the file for a background upload (write/writeback.py) and
+returns; a file matching a ``--commit-marker`` glob is committed at its close after everything
+closed before it; ``barrier`` waits for what was closed before it (unlink, rmdir, rename,
+``marinfs sync``, unmount).
+
 ``staged`` (key -> the file's staged bytes, shared by its writers) and ``failed_commits`` and
 ``conflicts`` are guarded by the mount's table lock (``lock``); a staged file has its own lock,
 taken before the table lock, never after. A commit holds its staged file's lock from the upload
@@ -16,6 +22,7 @@ import posixpath
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,11 +32,12 @@ from marinfs.core.handles import Handle
 from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno
-from marinfs.meta.metadata import MetadataCache
+from marinfs.meta.metadata import MetadataCache, compile_glob
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.write.recovery import Recovered, recover
 from marinfs.remote import Remote
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
+from marinfs.write.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,8 @@ class Writes:
     """Staged files: made by writers, committed at flush, kept and retried when that fails."""
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
-                 staging_dir: Path, max_file_size: int) -> None:
+                 staging_dir: Path, max_file_size: int, write_back: bool = False, write_back_uploads: int = 16,
+                 commit_markers: Sequence[str] = ()) -> None:
         self.lock = lock
         self.remote = remote
         self.metadata = metadata
@@ -72,6 +81,9 @@ class Writes:
         # GUARDED_BY(lock): commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
+        self._markers = [compile_glob(g) for g in commit_markers]
+        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads)
+                           if write_back else None)
 
     # -- staged files ------------------------------------------------------------------------------
     def writer(self, key: str, info: ObjectInfo | None, truncate: bool, attrs: PosixAttrs | None = None) -> StagedFile:
@@ -108,7 +120,10 @@ class Writes:
 
     def release(self, staged: StagedFile) -> None:
         """A writer closed: the last one commits what raced its close and drops the staged
-        file, or keeps its bytes (with their journal) in ``failed_commits``."""
+        file, or keeps its bytes (with their journal) in ``failed_commits``. In write-back the
+        upload queue holds its own reference, and releases it once it uploaded the file."""
+        if self.write_back is not None and self._uploadable(staged):
+            self._schedule(staged)
         with self.lock:
             if staged.let_go() > 0:
                 return
@@ -198,6 +213,60 @@ class Writes:
                 staged.truncate(offset + length)  # the new bytes are zeros, as on ext4
 
     # -- commits ----------------------------------------------------------------------------------
+    def flush(self, staged: StagedFile) -> None:
+        """close(2): commit (default mode; a commit marker in write-back, after everything
+        closed before it), or queue the upload (write-back) once the bytes are staged."""
+        if self.write_back is None:
+            self.commit(staged)
+        elif self.is_marker(staged.key):
+            self.write_back.barrier()
+            self.commit(staged)
+        elif self._uploadable(staged):
+            self._schedule(staged)
+        elif staged.failed_write:
+            raise OSError(staged.failed_write, f"a write to {staged.key} failed; not committed")
+
+    def fsync(self, staged: StagedFile) -> None:
+        """fsync(2): the bucket in the default mode; in write-back the bytes and their journal
+        on the local disk (what TensorStore's fsync of every file it writes then costs), so a
+        crash of the daemon or the machine loses nothing the next start cannot upload."""
+        if self.write_back is None or self.is_marker(staged.key):
+            self.flush(staged)
+        else:
+            staged.sync_local()
+
+    def is_marker(self, key: str) -> bool:
+        """A file others take as a commit point (``--commit-marker``)."""
+        return any(glob.match(key) for glob in self._markers)
+
+    def barrier(self, tree: str | None = None) -> None:
+        """Write-back: wait until every file closed so far (in ``tree``, or all) is uploaded
+        or kept after failing; nothing in the default mode (a close committed)."""
+        if self.write_back is not None:
+            self.write_back.barrier(tree)
+
+    def failed_under(self, tree: str) -> list[str]:
+        """Keys in ``tree`` (all: "") whose bytes are kept after a failed commit."""
+        def covered(key: str) -> bool:
+            return not tree or under(key, tree)
+
+        with self.lock:
+            kept = [f.key for f in self.failed_commits if covered(f.key)]
+            kept += [k for k, s in self.staged.items() if covered(k) and s.failed_unchanged and s.dirty]
+        return sorted(set(kept))
+
+    def _uploadable(self, staged: StagedFile) -> bool:
+        return staged.dirty and not staged.unlinked and not staged.failed_unchanged and not staged.failed_write
+
+    def _schedule(self, staged: StagedFile) -> None:
+        """Queue ``staged`` for upload, with a reference of the queue's own."""
+        assert self.write_back is not None
+        with self.lock:
+            staged.retain()
+        if not self.write_back.enqueue(staged):  # queued already: that task uploads it
+            with self.lock:
+                staged.let_go()
+
     def commit(self, staged: StagedFile) -> None:
         """Commit on close: returns only once the remote has the bytes, or raises its error."""
         with staged.lock:  # (a rename's rekey, a chmod: not between the upload and the cache)
@@ -373,7 +442,10 @@ class Writes:
             pending = sorted(k for k, st in self.staged.items() if st.dirty and not st.unlinked)
             failed = [f.as_dict() for f in self.failed_commits]
             conflicts = list(self.conflicts)
-        return {"pending": pending, "failed": failed, "conflicts": conflicts}
+        out = {"pending": pending, "failed": failed, "conflicts": conflicts}
+        if self.write_back is not None:  # files closed and not uploaded yet, and uploads ended
+            out["write_back"] = {"queued": self.write_back.pending(), "uploaded": self.write_back.uploaded}
+        return out
 
     def open_staging_files(self) -> frozenset[str]:
         """Staging files of files open right now (recovery must leave them to their writers)."""

@@ -90,6 +90,10 @@ def attrs_from_json(entry: dict | None) -> PosixAttrs | None:
                       mtime_ns=entry.get("mtime_ns"), xattrs=xattrs)
 
 
+class StagedFileGone(Exception):
+    """The staged file was dropped (committed and released) while a reader waited for it."""
+
+
 class StagedFile:
     """The new content of one remote key, shared by every handle open on it.
 
@@ -130,8 +134,15 @@ class StagedFile:
         self.uploads: dict[str, dict] = {}
         self.leftover_uploads: list[dict] = []
         self.lock = threading.RLock()
+        # Reads take only this (held for one preadv), so they never wait for an upload holding
+        # ``lock``; discard closes the descriptor under both.
+        self._fd_lock = threading.Lock()
+        self._closed = False
         self._seed = seed
         self.seeded = seed is None
+        # The staging file's size once seeded: set under ``lock``, read without it, so a stat
+        # never waits for an upload that holds the lock (write-back's background uploads).
+        self._size = 0
         self.base_size = base_size  # the remote size, valid until seeded
         self.dirty = False
         self.unlinked = False
@@ -179,12 +190,13 @@ class StagedFile:
             return
         assert self._seed is not None
         self._seed(self.key, self.path)  # the current key: the file may have been renamed
+        self._size = os.fstat(self.fd).st_size
         self.seeded = True
 
     def known_size(self) -> int:
-        """The current size without fetching anything (stat must not download the object)."""
-        with self.lock:
-            return os.fstat(self.fd).st_size if self.seeded else self.base_size
+        """The current size without fetching anything (stat must not download the object), nor
+        waiting for the lock (a commit holds it while it uploads)."""
+        return self._size if self.seeded else self.base_size
 
     def read(self, size: int, offset: int) -> bytes:
         view = memoryview(bytearray(size))
@@ -192,9 +204,14 @@ class StagedFile:
 
     def read_into(self, dest: memoryview, offset: int) -> int:
         """Fill ``dest`` from the staging file at ``offset`` (read straight into it); answers how
-        many bytes it holds there (fewer at its end)."""
-        with self.lock:
-            self._ensure_seeded()
+        many bytes it holds there (fewer at its end). Raises StagedFileGone if it was dropped
+        meanwhile (its bytes are the committed object's now)."""
+        if not self.seeded:
+            with self.lock:
+                self._ensure_seeded()
+        with self._fd_lock:
+            if self._closed:
+                raise StagedFileGone(self.key)
             return os.preadv(self.fd, [dest], offset)
 
     def write(self, data: bytes | memoryview, offset: int | None) -> int:
@@ -206,6 +223,7 @@ class StagedFile:
                 offset = os.fstat(self.fd).st_size
             try:
                 written = os.pwrite(self.fd, data, offset)
+                self._size = max(self._size, offset + written)
                 self._mark_dirty()  # the journal too needs the disk
             except OSError as exc:
                 self._poison(exc)
@@ -222,6 +240,7 @@ class StagedFile:
             else:
                 self._ensure_seeded()
             os.ftruncate(self.fd, length)
+            self._size = length
             self._mark_dirty()
             self._touched()
             if self.stream is not None:
@@ -232,6 +251,23 @@ class StagedFile:
         self.mtime_ns = time.time_ns()
         if self.attrs is not None and self.attrs.mtime_ns is not None:
             self.set_attrs(replace(self.attrs, mtime_ns=None))
+
+    def sync_local(self) -> None:
+        """The bytes and their journal on the local disk (fsync), so the next start commits them
+        even after the machine went down (write-back's fsync)."""
+        with self.lock:
+            os.fsync(self.fd)
+            if self._journaled:
+                fd = os.open(self.journal_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def retain(self) -> None:
         """One more handle shares these bytes (under the mount's table lock, as ``let_go``)."""
@@ -385,7 +421,9 @@ class StagedFile:
         """Drop the staging file, unless it holds uncommitted bytes: those are kept on disk."""
         with self.lock:
             self._end_stream()
-            os.close(self.fd)
+            with self._fd_lock:
+                os.close(self.fd)
+                self._closed = True
             if self.dirty and not self.unlinked and not self.failed_write:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it
                 log.debug("%s: uncommitted bytes kept in %s", self.key, self.path)  # the caller reports it

@@ -1,0 +1,94 @@
+"""`marinfs sync [PATH...]`: return once every file closed under PATH is in the bucket.
+
+The barrier is a read of the ``user.marinfs.sync`` attribute of PATH through the mount: the
+daemon answers it once what was closed before is uploaded (write-back), or EIO if a file's
+bytes are kept after a failed upload. No channel of our own: the mount is the channel.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import threading
+import time
+
+from marinfs.app import status
+from marinfs.app.mounts import live_mounts
+from marinfs.errors import MarinfsError, UsageError
+
+XATTR_SYNC = "user.marinfs.sync"  # (core/attributes.py's name; app/ reads it through the mount)
+PROGRESS_EVERY = 2.0  # seconds between progress lines
+
+
+def sync(paths: list[str], quiet: bool = False) -> str:
+    """Sync each path (default: every marinfs mount); the summary line."""
+    mounts = {m.mountpoint: m for m in live_mounts()}
+    if not paths:
+        paths = sorted(mounts)
+        if not paths:
+            raise UsageError("no marinfs mounts")
+    targets = []
+    for path in paths:
+        real = os.path.realpath(path)
+        if not os.path.exists(real):
+            raise UsageError(f"{path}: no such file or directory")
+        mountpoint = next((m for m in sorted(mounts, key=len, reverse=True)
+                           if real == m or real.startswith(m.rstrip("/") + "/")), None)
+        if mountpoint is None:
+            raise UsageError(f"{path} is not in a marinfs mount")
+        targets.append((real, mountpoint))
+    # Ctrl-C must end a wait on the mount: only a fatal signal interrupts a FUSE request.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    started = time.monotonic()
+    for real, mountpoint in targets:
+        _sync_one(real, mountpoint, quiet)
+    return f"synced {', '.join(real for real, _ in targets)} in {time.monotonic() - started:.1f} s"
+
+
+def _sync_one(path: str, mountpoint: str, quiet: bool) -> None:
+    outcome: list[BaseException | None] = []
+
+    def barrier() -> None:
+        try:
+            os.getxattr(path, XATTR_SYNC)
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=barrier, daemon=True)
+    worker.start()
+    while True:
+        worker.join(PROGRESS_EVERY)
+        if not worker.is_alive():
+            break
+        if not quiet:
+            print(f"marinfs sync: {path}: {_queued(mountpoint)} upload(s) pending", file=sys.stderr, flush=True)
+    error = outcome[0]
+    if error is None:
+        return
+    if isinstance(error, OSError) and error.errno == errno.EIO:
+        failed = [f.get("key") for item in _status(mountpoint) for f in item.get("uploads", {}).get("failed", [])]
+        raise MarinfsError(f"{path}: files failed to upload; their bytes are kept and retried"
+                           + (f": {', '.join(map(str, failed[:5]))}" if failed else "")
+                           + f" (see `marinfs status {mountpoint}`)")
+    if isinstance(error, OSError) and error.errno in (errno.ENODATA, errno.ENOTSUP):
+        raise UsageError(f"{path}: this mount's daemon does not know `marinfs sync` (remount it)")
+    raise error
+
+
+def _status(mountpoint: str) -> list[dict]:
+    try:
+        return status.collect(mountpoint)
+    except (UsageError, OSError, ValueError):
+        return []
+
+
+def _queued(mountpoint: str) -> str:
+    for item in _status(mountpoint):
+        queued = item.get("uploads", {}).get("write_back", {}).get("queued")
+        if queued is not None:
+            return str(queued)
+    return "?"
+

@@ -1,0 +1,123 @@
+"""Write-back: staged files uploaded in the background after their close, in the order they
+were closed, and barriers that return once what they cover is in the bucket.
+
+A closed file is a task with a sequence number; ``workers`` threads take tasks in that order
+and run ``upload`` then ``done`` on each (a failed upload's bytes are kept by ``done``, as a
+failed close's are). A barrier taken after task N waits until every task numbered N or lower
+(or only those under a key prefix) is done. ``_tasks`` (queued and uploading tasks, by number) is guarded by ``_lock``, a
+leaf: nothing is called while it is held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from marinfs.threadnames import start_thread
+from marinfs.write.staging import StagedFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Task:
+    seq: int
+    staged: StagedFile
+    started: bool = False
+
+
+class WriteBack:
+    """The background upload queue of one mount."""
+
+    def __init__(self, upload: Callable[[StagedFile], None], done: Callable[[StagedFile], None],
+                 workers: int = 16) -> None:
+        self._upload, self._done = upload, done
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._seq = itertools.count(1)
+        self._queue: deque[_Task] = deque()  # GUARDED_BY(_lock): not started, in closing order
+        self._tasks: dict[int, _Task] = {}  # GUARDED_BY(_lock): queued and uploading, by number
+        self._last = 0  # GUARDED_BY(_lock): the last number given
+        self._stopping = False
+        self.uploaded = 0  # files whose upload ended (for status)
+        self._threads = [start_thread(self._run, f"marinfs-wb{i}") for i in range(max(1, workers))]
+
+    def enqueue(self, staged: StagedFile) -> bool:
+        """Queue ``staged`` for upload; False if it is queued already and not begun (that task
+        uploads it as it is then). The caller holds a reference for the queue when True."""
+        with self._lock:
+            if any(t.staged is staged and not t.started for t in self._queue):
+                return False
+            task = _Task(next(self._seq), staged)
+            self._last = task.seq
+            self._queue.append(task)
+            self._tasks[task.seq] = task
+            self._changed.notify_all()
+            return True
+
+    def barrier(self, under: str | None = None, timeout: float | None = None) -> None:
+        """Wait until every task queued so far (of a key ``under`` a prefix, or all) is done.
+        Raises TimeoutError past ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            upto = self._last
+            while True:
+                waiting = [t for n, t in self._tasks.items() if n <= upto and _covers(under, t.staged.key)]
+                if not waiting:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(waiting)} upload(s) still pending")
+                self._changed.wait(left)
+
+    def pending(self) -> int:
+        """Files queued or uploading."""
+        with self._lock:
+            return len(self._tasks)
+
+    def close(self, timeout: float) -> bool:
+        """Stop the workers once the queue is empty (or ``timeout`` passed): True if all was
+        uploaded. What is left keeps its journal, for the next start."""
+        try:
+            self.barrier(timeout=timeout)
+            drained = True
+        except TimeoutError:
+            drained = False
+        with self._lock:
+            self._stopping = True
+            self._changed.notify_all()
+        for thread in self._threads:
+            thread.join(1.0 if drained else 0.1)
+        return drained
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                task = self._queue.popleft()
+                task.started = True
+            try:
+                self._upload(task.staged)
+            except Exception as exc:  # noqa: BLE001 - kept and reported by the release below
+                log.warning("background upload of %s failed: %s; its bytes are kept and retried",
+                            task.staged.key, exc)
+            try:
+                self._done(task.staged)
+            except Exception:  # noqa: BLE001 - a worker never dies
+                log.exception("after the upload of %s", task.staged.key)
+            with self._lock:
+                del self._tasks[task.seq]
+                self.uploaded += 1
+                self._changed.notify_all()
+
+
+def _covers(under: str | None, key: str) -> bool:
+    return not under or key == under or key.startswith(under + "/")

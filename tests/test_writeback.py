@@ -1,0 +1,314 @@
+"""Write-back (--write-back): close returns once the bytes are staged, uploads run in the
+background in closing order, and barriers (unlink, rmdir, rename, a commit marker's close,
+``marinfs sync``, unmount) wait for what was closed before them. Core tier: no FUSE."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tiers
+from marinfs.core import Filesystem
+from marinfs.remote import Remote
+from marinfs.write.writeback import WriteBack
+
+CREAT = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+MARKERS = ("**/.executor_status", "**/_SUCCESS")
+
+
+class Gate:
+    """Holds the remote's uploads until opened, and records the order of uploads and deletes."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.open = threading.Event()
+        self.events: list[tuple[str, str]] = []
+        self.fail: set[str] = set()
+        self._lock = threading.Lock()
+        upload, delete = remote.upload, remote.delete
+
+        def gated_upload(local: str, key: str, *args: Any, **kwargs: Any) -> Any:
+            self.open.wait(30)
+            if key in self.fail:
+                raise OSError(errno.EIO, "injected", key)
+            out = upload(local, key, *args, **kwargs)
+            with self._lock:
+                self.events.append(("put", key))
+            return out
+
+        def recorded_delete(key: str) -> None:
+            delete(key)
+            with self._lock:
+                self.events.append(("delete", key))
+
+        remote.upload = gated_upload  # type: ignore[method-assign]
+        remote.delete = recorded_delete  # type: ignore[method-assign]
+
+
+@pytest.fixture
+@tiers.needs("core")
+def wb(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
+    gate = Gate(remote)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=4,
+                    commit_markers=MARKERS, drain_timeout=30)
+    try:
+        yield fs, gate
+    finally:
+        gate.open.set()
+        fs.close_all()
+
+
+def write(fs: Filesystem, path: str, data: bytes) -> None:
+    fh = fs.create(path, CREAT).fh
+    fs.write(fh, data, 0)
+    fs.flush(fh)
+    fs.release(fh)
+
+
+def stored(remote: Remote, key: str) -> bytes | None:
+    try:
+        return bytes(remote.fs.cat_file(remote.full(key)))
+    except FileNotFoundError:
+        return None
+
+
+def test_close_returns_before_the_upload_and_sync_returns_once_all_are_in_the_bucket(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    for i in range(20):
+        write(fs, f"/f{i}", b"x" * i)  # (the uploads are held: each close returned regardless)
+    assert stored(remote, "f3") is None
+    assert fs.getattr("/f3").size == 3 and fs.read(fs.open("/f3", os.O_RDONLY).fh, 10, 0) == b"xxx"  # this node sees its writes
+    assert fs.upload_status()["write_back"]["queued"] == 20
+    done = threading.Event()
+    threading.Thread(target=lambda: (fs.sync("/"), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # the barrier waits for the held uploads
+    gate.open.set()
+    assert done.wait(10)
+    assert [stored(remote, f"f{i}") for i in range(20)] == [b"x" * i for i in range(20)]
+    assert fs.upload_status()["pending"] == []
+
+
+def test_uploads_run_in_closing_order_and_a_marker_lands_after_everything_before_it(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    fs.mkdir("/step")
+    for i in range(30):
+        write(fs, f"/step/shard{i:02d}", os.urandom(100))
+    closed = threading.Event()
+    threading.Thread(target=lambda: (write(fs, "/step/.executor_status", b"SUCCESS"), closed.set()),
+                     daemon=True).start()
+    assert not closed.wait(0.3)  # a marker's close is a barrier: the shards are held
+    gate.open.set()
+    assert closed.wait(10)
+    puts = [k for kind, k in gate.events if kind == "put"]
+    assert puts[-1] == "step/.executor_status" and len(puts) == 31  # last, after all 30
+    assert stored(remote, "step/.executor_status") == b"SUCCESS"
+
+
+def test_a_delete_never_overtakes_an_upload_closed_before_it(wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    """Orbax's max_to_keep: the old step goes right after the new one is saved; it must not be
+    gone from the bucket while the new one is incomplete there."""
+    fs, gate = wb
+    gate.open.set()
+    fs.mkdir("/step1")
+    write(fs, "/step1/a", b"old")
+    fs.sync("/")
+    gate.open.clear()
+    fs.mkdir("/step2")
+    for i in range(5):
+        write(fs, f"/step2/p{i}", b"new")
+    removed = threading.Event()
+
+    def remove_old() -> None:
+        fs.unlink("/step1/a")
+        fs.rmdir("/step1")
+        removed.set()
+
+    threading.Thread(target=remove_old, daemon=True).start()
+    assert not removed.wait(0.3) and stored(remote, "step1/a") == b"old"
+    gate.open.set()
+    assert removed.wait(10)
+    order = [e for e in gate.events if e[0] == "delete" or e[1].startswith("step2/")]
+    assert order.index(("delete", "step1/a")) > max(order.index(("put", f"step2/p{i}")) for i in range(5))
+
+
+def test_attributes_set_after_close_travel_with_the_upload(wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    write(fs, "/f", b"data")
+    fs.set_attributes("/f", mtime_ns=1_600_000_000_000_000_000)  # rsync -a, tar: after the close
+    puts_before = remote.stats.count("put") if hasattr(remote.stats, "count") else None
+    gate.open.set()
+    fs.sync("/")
+    fs.metadata.forget("f")
+    assert fs.getattr("/f").posix.mtime_ns == 1_600_000_000_000_000_000 and stored(remote, "f") == b"data"
+    if puts_before is not None:
+        assert remote.stats.count("setattr") == 0  # no metadata update after the upload: it carried them
+
+
+def test_a_failed_background_upload_is_kept_and_the_next_sync_says_so(wb: tuple[Filesystem, Gate],
+                                                                       remote: Remote) -> None:
+    fs, gate = wb
+    gate.fail.add("bad")
+    write(fs, "/bad", b"kept")
+    write(fs, "/good", b"ok")
+    gate.open.set()
+    with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+        fs.sync("/")
+    assert fs.sync("/good") == b"0"  # a path the failure is not under
+    status = fs.upload_status()
+    assert [f["key"] for f in status["failed"]] == ["bad"] and stored(remote, "bad") is None
+    gate.fail.clear()
+    fs.retry_failed_commits()  # the daemon's retry loop
+    assert stored(remote, "bad") == b"kept" and fs.sync("/") == b"0"
+
+
+def test_fsync_keeps_the_bytes_on_the_local_disk_without_waiting_for_the_bucket(
+        wb: tuple[Filesystem, Gate], remote: Remote, tmp_path: Path) -> None:
+    fs, gate = wb
+    fh = fs.create("/f", CREAT).fh
+    fs.write(fh, b"durable", 0)
+    fs.fsync(fh)  # returns with the uploads held
+    assert stored(remote, "f") is None
+    assert any(p.name.endswith(".journal.json") for p in (tmp_path / "staging").iterdir())
+    fs.flush(fh)
+    fs.release(fh)
+
+
+def test_a_daemon_killed_with_uploads_pending_uploads_them_at_its_next_start(remote: Remote, tmp_path: Path) -> None:
+    killed = Remote(remote.url)  # the first daemon's own client: its uploads never get through
+    gate = Gate(killed)
+    first = Filesystem(killed, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=2)
+    for i in range(10):
+        write(first, f"/f{i}", f"bytes {i}".encode())
+    try:
+        second = Filesystem(remote, staging_dir=tmp_path / "staging")  # the next start, same cache directory
+        results = second.recover_staged(at_start=True)
+        assert sorted(r.key for r in results if r.committed_as) == sorted(f"f{i}" for i in range(10))
+        assert [stored(remote, f"f{i}") for i in range(10)] == [f"bytes {i}".encode() for i in range(10)]
+    finally:
+        gate.fail.update(f"f{i}" for i in range(10))  # the killed daemon's held uploads end, failing
+        gate.open.set()
+
+
+def test_unmount_waits_for_the_queue(remote: Remote, tmp_path: Path) -> None:
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, drain_timeout=30)
+    for i in range(10):
+        write(fs, f"/f{i}", b"z")
+    fs.close_all()
+    assert fs.drained and [stored(remote, f"f{i}") for i in range(10)] == [b"z"] * 10
+    assert not any((tmp_path / "staging").iterdir())
+
+
+@tiers.needs("unit")
+def test_the_queue_uploads_in_order_and_a_barrier_covers_only_what_came_before() -> None:
+    started: list[str] = []
+    release = threading.Event()
+
+    class Fake:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    def upload(staged: Any) -> None:
+        started.append(staged.key)
+        if staged.key == "slow":
+            release.wait(10)
+
+    queue = WriteBack(upload, lambda staged: None, workers=1)
+    try:
+        for key in ("a", "slow", "b"):
+            assert queue.enqueue(Fake(key))  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            queue.barrier(timeout=0.2)
+        assert time.monotonic() - t0 < 2 and started == ["a", "slow"]
+        queue.barrier(under="a", timeout=2)  # done already: returns at once
+        release.set()
+        queue.barrier(timeout=5)
+        assert started == ["a", "slow", "b"] and queue.pending() == 0
+    finally:
+        release.set()
+        assert queue.close(5)
+
+
+# -- through a mount ---------------------------------------------------------------------------
+@pytest.fixture(params=["local", "s3"])
+@tiers.needs("mount")
+def wb_mount(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A live --write-back mount of a fresh prefix (a daemon of the test's own)."""
+    from conftest import object_store
+    from mounting import Mounted, fsspec_client, subprocess_mount
+
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    if request.param == "local":
+        (tmp_path / "remote").mkdir()
+        url, env, options = str(tmp_path / "remote"), None, {}
+    else:
+        url, options, env = object_store(request, request.param)
+    fs, root = fsspec_client(url, {**options, "use_listings_cache": False} if options else None)
+    with subprocess_mount(url, mnt, cache, "--write-back", env=env) as pid:
+        yield Mounted(mnt=mnt, url=url, fs=fs, root=root, cache_dir=cache, pid=pid, env=env)
+
+
+def test_tar_through_a_write_back_mount_then_marinfs_sync_has_every_file_in_the_bucket(
+        wb_mount: Any, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import tarfile
+
+    src = tmp_path / "src"
+    files = {f"d{i % 5}/f{i:03d}": os.urandom(1 + (i * 97) % 5000) for i in range(150)}
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(src, arcname="tree")
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(wb_mount.mnt)], check=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(wb_mount.mnt / "tree")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **(wb_mount.env or {})})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("synced ")
+    for name, data in files.items():
+        assert wb_mount.remote_bytes(f"tree/{name}") == data
+
+
+def test_a_marker_is_never_in_the_bucket_before_the_files_closed_before_it(wb_mount: Any) -> None:
+    """Another node polling the bucket for the marker finds every data file once it sees it."""
+    d = wb_mount.mnt / "step-1"
+    d.mkdir()
+    names = [f"shard{i:03d}" for i in range(100)]
+    seen: list[bool] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            if wb_mount.remote_exists("step-1/.executor_status"):
+                seen.append(all(wb_mount.remote_exists(f"step-1/{n}") for n in names))
+                return
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    for n in names:
+        (d / n).write_bytes(os.urandom(2000))
+    (d / ".executor_status").write_text("SUCCESS")  # its close returns once it is in the bucket
+    poller.join(30)
+    stop.set()
+    assert seen == [True]
+
+
+def test_marinfs_sync_outside_a_mount_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for args in ([str(tmp_path)], [str(tmp_path / "missing")]):
+        done = subprocess.run([sys.executable, "-m", "marinfs", "sync", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and "marinfs: error:" in done.stderr, done.stderr
