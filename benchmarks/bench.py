@@ -1014,7 +1014,15 @@ def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
             if r.returncode != 0:
                 raise Failure(f"tar exit {r.returncode}: {pb.one_line(r.stderr, 'tar')}")
             at_close = counts(m, srv, before)
-            if tool in CLOSE_COMMITS:
+            if tool == "marinfs" and "--write-back" in (env.a.marinfs_arg or []):
+                # Write-back: tar exits at disk speed; `marinfs sync` is the barrier, timed from tar's start.
+                r = subprocess.run([*MARINFS, "sync", "-q", str(m.path)], capture_output=True, text=True,
+                                   timeout=SMALL_TIMEOUT_S)
+                durable, cpu_durable = w.stop()
+                if r.returncode != 0 or not listed():
+                    raise Failure(f"not every file is in the bucket after marinfs sync: {pb.one_line(r.stderr)}")
+                at_durable = {**counts(m, srv, before), "note": "write-back; until marinfs sync returns"}
+            elif tool in CLOSE_COMMITS:
                 if not listed():
                     raise Failure("not every file is in the bucket when tar exits")
                 durable, cpu_durable, at_durable = close, cpu, {**at_close, "note": "close commits"}

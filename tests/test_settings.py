@@ -51,7 +51,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "max_readahead_chunks": 5, "read_ahead_kb": 512, "passthrough": False, "metrics_port": free_port(),
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
-        "write_back": True, "write_back_uploads": 4, "commit_markers": ["**/DONE"],
+        "write_back": True, "write_back_uploads": 4, "write_back_delay": 0.5, "commit_markers": ["**/DONE"],
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
         # The read path's switches: a local remote has none of those paths, so they change nothing else.

@@ -56,7 +56,7 @@ class Gate:
 def wb(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
     gate = Gate(remote)
     fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=4,
-                    commit_markers=MARKERS, drain_timeout=30)
+                    write_back_delay=5.0, commit_markers=MARKERS, drain_timeout=30)
     try:
         yield fs, gate
     finally:
@@ -312,3 +312,69 @@ def test_marinfs_sync_outside_a_mount_is_one_line_and_exit_2(tmp_path: Path) -> 
         done = subprocess.run([sys.executable, "-m", "marinfs", "sync", *args], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and "marinfs: error:" in done.stderr, done.stderr
+
+
+def test_a_rename_of_files_not_uploaded_yet_sends_their_uploads_to_the_new_names(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    """Orbax saves into a temporary directory and renames it; rsync writes a temporary file and
+    renames it: the bytes go once, to the final names, and nothing is copied in the bucket."""
+    fs, gate = wb
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    fs.mkdir("/ckpt.tmp-123")
+    for i in range(5):
+        write(fs, f"/ckpt.tmp-123/array{i}", f"array {i}".encode())
+    write(fs, "/.f.XyZ12", b"rsync's")
+    fs.set_attributes("/.f.XyZ12", mtime_ns=1_500_000_000_000_000_000)
+    fs.rename("/ckpt.tmp-123", "/ckpt")  # returns with the uploads still held
+    fs.rename("/.f.XyZ12", "/f")
+    assert sorted(c.name for c in fs.readdir("/ckpt")) == [f"ckpt/array{i}" for i in range(5)]
+    assert fs.read(fs.open("/f", os.O_RDONLY).fh, 100, 0) == b"rsync's"
+    gate.open.set()
+    fs.sync("/")
+    assert [stored(remote, f"ckpt/array{i}") for i in range(5)] == [f"array {i}".encode() for i in range(5)]
+    assert stored(remote, "f") == b"rsync's" and stored(remote, ".f.XyZ12") is None
+    assert not remote.fs.exists(remote.full("ckpt.tmp-123"))
+    assert remote.stats.count("copy") == 0  # no byte copied in the bucket
+    puts = [k for kind, k in gate.events if kind == "put"]
+    assert sorted(puts) == sorted([f"ckpt/array{i}" for i in range(5)] + ["f"])
+    fs.metadata.forget("f")
+    assert fs.getattr("/f").posix.mtime_ns == 1_500_000_000_000_000_000
+
+
+def test_a_rename_of_a_file_already_uploaded_copies_it_after_the_uploads_before_it(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    gate.open.set()
+    write(fs, "/a", b"first")
+    fs.sync("/")
+    fs.rename("/a", "/b")
+    assert stored(remote, "b") == b"first" and stored(remote, "a") is None
+
+
+def test_a_checkpoint_saved_to_a_temporary_directory_then_renamed_is_uploaded_once(wb_mount: Any) -> None:
+    """Orbax on a POSIX path: save into a temporary directory, rename it into place. With
+    write-back the rename sends the uploads to the final names: no byte is copied in the bucket."""
+    import json
+    import subprocess
+    import sys
+
+    tmp = wb_mount.mnt / "step_100.orbax-checkpoint-tmp-1"
+    tmp.mkdir()
+    arrays = {f"array{i}": os.urandom(50_000 + i) for i in range(20)}
+    for name, data in arrays.items():
+        with open(tmp / name, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())  # TensorStore fsyncs every file: the local disk, not the bucket
+    os.rename(tmp, wb_mount.mnt / "step_100")
+    env = {**os.environ, **(wb_mount.env or {})}
+    subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(wb_mount.mnt)], check=True, env=env,
+                   timeout=120)
+    for name, data in arrays.items():
+        assert wb_mount.remote_bytes(f"step_100/{name}") == data
+    assert not wb_mount.remote_exists("step_100.orbax-checkpoint-tmp-1/array0")
+    if not wb_mount.url.startswith("/"):  # (a local disk renames in place)
+        time.sleep(2.5)  # the daemon publishes its counters every 2 s
+        status = json.loads(subprocess.run([sys.executable, "-m", "marinfs", "status", "--json", str(wb_mount.mnt)],
+                                           capture_output=True, text=True, check=True, env=env).stdout)
+        assert status[0]["remote_requests"]["requests"].get("copy", 0) == 0

@@ -182,6 +182,14 @@ class MountConfig:
             "wait for what was closed before them (see [semantics.md](semantics.md#write-back))")
     write_back_uploads: int = setting(16, kind=INT, low=1, high=256,
                                       help="background uploads at once (--write-back)")
+    # rclone's --vfs-write-back: a file renamed meanwhile (a temporary checkpoint directory) is sent
+    # once, to its final name; a barrier (sync, a marker, a delete, unmount) starts them at once.
+    write_back_delay: float = setting(
+        5.0, kind=SECONDS, low=0, high=3600,
+        help="seconds a closed file waits before its upload starts (--write-back), unless a barrier asks",
+        doc="seconds a closed file waits before its upload starts (`--write-back`; rclone's "
+            "`--vfs-write-back`), so a file renamed meanwhile (a temporary checkpoint directory "
+            "renamed into place) is sent once, to its final name; a barrier starts what it waits for at once")
     # Files others take as "everything before me is there": in write-back, committed at their
     # close after every file closed before them. Marin's executor and Hadoop/Spark markers.
     commit_markers: tuple[str, ...] = setting(

@@ -60,7 +60,8 @@ class Filesystem:
                  max_readahead_chunks: int = 32, drain_timeout: float = 300.0,
                  list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
                  uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40,
-                 write_back: bool = False, write_back_uploads: int = 16, commit_markers: tuple[str, ...] = ()) -> None:
+                 write_back: bool = False, write_back_uploads: int = 16, write_back_delay: float = 0.0,
+                 commit_markers: tuple[str, ...] = ()) -> None:
         self.remote = remote
         self.read_only = read_only
         self.staging_dir = staging_dir
@@ -80,6 +81,7 @@ class Filesystem:
                                  self.defaults)
         self.writes = Writes(self._lock, remote, self.metadata, self.kernel, staging_dir, max_file_size,
                              write_back=write_back, write_back_uploads=write_back_uploads,
+                             write_back_delay=write_back_delay,
                              commit_markers=commit_markers)
         self.kernel.staged = self.writes.staged
         self.namespace = Namespace(self._lock, remote, self.metadata, self.listings, self.handles, self.kernel,
@@ -345,8 +347,7 @@ class Filesystem:
 
     def rename(self, old: str, new: str) -> None:
         self._writable()
-        self.writes.barrier()
-        self.renamer.rename(old, new)
+        self.renamer.rename(old, new)  # (a barrier first, unless it re-targets uploads: Renamer)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close_all(self) -> None:

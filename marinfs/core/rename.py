@@ -58,7 +58,12 @@ class Renamer:
         self.namespace.require_dir(posixpath.dirname(dst))
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
         staged = src in self.writes.staged  # (before the rename moves it to dst)
-        copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
+        if self._retarget(src, dst, info, target):
+            copies: list[Copied] = []
+        else:
+            # A rename's deletes never overtake an upload closed before it (write-back).
+            self.writes.barrier()
+            copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
         self._follow(self._moves(copies))
         if in_place:
             self._follow_in_place(src, dst, in_place)
@@ -113,6 +118,45 @@ class Renamer:
             self.remote.rename_link(src, dst)
             return []
         return self._rename_file(src, dst)
+
+    def _retarget(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None) -> bool:
+        """Write-back where a rename copies (object stores): a rename of new files whose uploads have not run (a
+        file, or a tree of nothing else: rsync's temporary file, Orbax's temporary checkpoint
+        directory) sends their uploads to the new names, in their place in the queue, instead
+        of uploading then copying every byte in the bucket. Their locks are held meanwhile (an
+        upload under way ends first: then it is in the bucket, and the rename copies it)."""
+        if self.writes.write_back is None or self.remote.renames_in_place or info.link:
+            return False  # (a local disk renames what it holds in one rename(2))
+        if info.is_dir:
+            pending = self.writes.staged_under(src)
+            if not pending or (target is not None and not target.is_dir):
+                return False
+        else:
+            one = self.writes.staged.get(src)
+            if one is None or (target is not None and (target.is_dir or target.link)):
+                return False
+            pending = [(src, one)]
+        with contextlib.ExitStack() as held:
+            for _, staged in pending:
+                held.enter_context(staged.lock)
+            if not all(self.writes.not_uploaded(staged) and staged.key == key for key, staged in pending):
+                return False
+            if info.is_dir:
+                if self.remote.walk(src)[0]:
+                    return False  # (objects in the bucket under it: the rename copies them, as before)
+                if target is not None:
+                    self.namespace.check_empty(dst)
+                    self.remote.remove_dir(dst)
+                self.remote.rename_tree(src, dst)  # its directories only: nothing under it is in the bucket
+            else:
+                self.namespace.file_name_allowed(dst)
+                replaced = self.writes.staged.get(dst)
+                if replaced is not None:
+                    replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
+            self.writes.move(src, dst, retarget=True)
+            if target is not None and not info.is_dir:  # its upload replaces what is there now
+                pending[0][1].rebase(target.version)
+        return True
 
     def _rename_file(self, src: str, dst: str) -> list[Copied]:
         staged = self.writes.staged.get(src)

@@ -69,7 +69,7 @@ class Writes:
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
                  staging_dir: Path, max_file_size: int, write_back: bool = False, write_back_uploads: int = 16,
-                 commit_markers: Sequence[str] = ()) -> None:
+                 write_back_delay: float = 0.0, commit_markers: Sequence[str] = ()) -> None:
         self.lock = lock
         self.remote = remote
         self.metadata = metadata
@@ -82,7 +82,7 @@ class Writes:
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._markers = [compile_glob(g) for g in commit_markers]
-        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads)
+        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay)
                            if write_back else None)
 
     # -- staged files ------------------------------------------------------------------------------
@@ -255,6 +255,12 @@ class Writes:
             kept += [k for k, s in self.staged.items() if covered(k) and s.failed_unchanged and s.dirty]
         return sorted(set(kept))
 
+    def not_uploaded(self, staged: StagedFile) -> bool:
+        """A new file whose bytes are only here, waiting for their upload (write-back): a
+        rename may send them to the new name instead of copying them in the bucket."""
+        return (self.write_back is not None and staged.dirty and not staged.unlinked and staged.base_version is None
+                and not staged.failed_write)
+
     def _uploadable(self, staged: StagedFile) -> bool:
         return staged.dirty and not staged.unlinked and not staged.failed_unchanged and not staged.failed_write
 
@@ -369,9 +375,11 @@ class Writes:
         with self.lock:
             return sorted((k, s) for k, s in self.staged.items() if k.startswith(tree + "/"))
 
-    def move(self, src: str, dst: str) -> None:
+    def move(self, src: str, dst: str, retarget: bool = False) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.
-        A replaced target that is still open becomes nameless, as on a local disk."""
+        A replaced target that is still open becomes nameless, as on a local disk.
+        ``retarget``: files whose upload has not happened (write-back) go to the new name as
+        new files (nothing of theirs is in the bucket, nor at the new name: no stat)."""
         with self.lock:
             replaced = self.staged.pop(dst, None)
             moving = [k for k in self.staged if under(k, src)]
@@ -382,6 +390,9 @@ class Writes:
                 moves.append((staged, dst + k[len(src):]))
         for staged, new_key in moves:
             staged.rekey(new_key)  # (its lock outside ours: a rename holds it while it takes ours)
+            if retarget:
+                staged.rebase(None)
+                continue
             # The rename made a new object: the writer's next commit replaces that one.
             try:
                 staged.rebase(self.remote.stat(staged.key).version)

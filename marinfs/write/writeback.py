@@ -1,8 +1,10 @@
 """Write-back: staged files uploaded in the background after their close, in the order they
 were closed, and barriers that return once what they cover is in the bucket.
 
-A closed file is a task with a sequence number; ``workers`` threads take tasks in that order
-and run ``upload`` then ``done`` on each (a failed upload's bytes are kept by ``done``, as a
+A closed file is a task with a sequence number; ``workers`` threads take tasks in that order,
+each once it has waited ``delay`` seconds (rclone's ``--vfs-write-back``: a file renamed or
+written again meanwhile, a temporary checkpoint directory renamed into place, is sent once, to
+its final name) or once a barrier asks for it, and run ``upload`` then ``done`` on each (a failed upload's bytes are kept by ``done``, as a
 failed close's are). A barrier taken after task N waits until every task numbered N or lower
 (or only those under a key prefix) is done. ``_tasks`` (queued and uploading tasks, by number) is guarded by ``_lock``, a
 leaf: nothing is called while it is held.
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 class _Task:
     seq: int
     staged: StagedFile
+    ready_at: float
     started: bool = False
 
 
@@ -35,14 +38,17 @@ class WriteBack:
     """The background upload queue of one mount."""
 
     def __init__(self, upload: Callable[[StagedFile], None], done: Callable[[StagedFile], None],
-                 workers: int = 16) -> None:
+                 workers: int = 16, delay: float = 0.0) -> None:
         self._upload, self._done = upload, done
+        self.delay = delay
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._seq = itertools.count(1)
         self._queue: deque[_Task] = deque()  # GUARDED_BY(_lock): not started, in closing order
         self._tasks: dict[int, _Task] = {}  # GUARDED_BY(_lock): queued and uploading, by number
+        self._waiting: set[int] = set()  # GUARDED_BY(_lock): id() of the staged files queued, not begun
         self._last = 0  # GUARDED_BY(_lock): the last number given
+        self._hurry = 0  # GUARDED_BY(_lock): tasks up to this number start without waiting their delay
         self._stopping = False
         self.uploaded = 0  # files whose upload ended (for status)
         self._threads = [start_thread(self._run, f"marinfs-wb{i}") for i in range(max(1, workers))]
@@ -51,9 +57,10 @@ class WriteBack:
         """Queue ``staged`` for upload; False if it is queued already and not begun (that task
         uploads it as it is then). The caller holds a reference for the queue when True."""
         with self._lock:
-            if any(t.staged is staged and not t.started for t in self._queue):
+            if id(staged) in self._waiting:
                 return False
-            task = _Task(next(self._seq), staged)
+            self._waiting.add(id(staged))
+            task = _Task(next(self._seq), staged, time.monotonic() + self.delay)
             self._last = task.seq
             self._queue.append(task)
             self._tasks[task.seq] = task
@@ -66,6 +73,9 @@ class WriteBack:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             upto = self._last
+            if upto > self._hurry:  # what the barrier waits for starts now
+                self._hurry = upto
+                self._changed.notify_all()
             while True:
                 waiting = [t for n, t in self._tasks.items() if n <= upto and _covers(under, t.staged.key)]
                 if not waiting:
@@ -98,12 +108,20 @@ class WriteBack:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._stopping:
-                    self._changed.wait()
-                if not self._queue:
-                    return
+                while True:
+                    if self._queue:
+                        head = self._queue[0]
+                        wait = head.ready_at - time.monotonic()
+                        if wait <= 0 or head.seq <= self._hurry or self._stopping:
+                            break
+                    elif self._stopping:
+                        return
+                    else:
+                        wait = None
+                    self._changed.wait(wait)
                 task = self._queue.popleft()
                 task.started = True
+                self._waiting.discard(id(task.staged))
             try:
                 self._upload(task.staged)
             except Exception as exc:  # noqa: BLE001 - kept and reported by the release below
