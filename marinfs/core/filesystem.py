@@ -38,6 +38,7 @@ from marinfs.core.paths import key_of
 from marinfs.core.reads import Reads
 from marinfs.core.rename import Renamer
 from marinfs.core.writes import Writes
+from marinfs import interrupts
 from marinfs.errors import FsError
 from marinfs.meta.listings import ListingPrefetcher
 from marinfs.meta.metadata import MetadataCache
@@ -113,12 +114,12 @@ class Filesystem:
         versions open so now."""
         cache = self.fetcher.cache
         return {"cache": cache.snapshot() if cache else None, "remote_requests": self.remote.stats.snapshot(),
-                "uploads": self.writes.upload_status(), "memory": self.fetcher.memory(),
+                "uploads": self.upload_status(), "memory": self.fetcher.memory(),
                 "passthrough": {"on": self.kernel.backings is not None, "opens": self.kernel.passthrough_opens,
                                 "files": cache.pinned() if cache else 0}}
 
     def upload_status(self) -> dict[str, Any]:
-        return self.writes.upload_status()
+        return {**self.writes.upload_status(), "committing": interrupts.in_progress()}
 
     def retry_failed_commits(self) -> list[Recovered]:
         return self.writes.retry_failed_commits()
@@ -265,7 +266,8 @@ class Filesystem:
         """Commit on close: returns only once the remote has the bytes, or raises its error."""
         handle = self.handles.get(fh)
         if handle.staged is not None:
-            self.writes.commit(handle.staged)
+            with interrupts.call(handle.staged.key):  # (`marinfs status`: its bytes sent so far)
+                self.writes.commit(handle.staged)
 
     fsync = flush
 
