@@ -412,6 +412,54 @@ def test_a_close_uploading_for_long_is_interrupted_by_a_signal_and_keeps_the_byt
 
 
 @cells("s3")
+@pytest.mark.parametrize("phase", ["copy", "delete"])
+def test_a_directory_rename_killed_midway_is_finished_by_the_next_start(store: Store, tmp_path: Path,
+                                                                        phase: str) -> None:
+    """Issue 37: `mv src dst` of 350 files with the daemon SIGKILLed 0.5 s in left every file
+    under src/, 43 also under dst/, with no word anywhere. Now the rename's intent is journaled
+    before the first copy: killed during the copies (or during the deletes that follow), the
+    next daemon on the same cache directory finishes it: one tree, the renamed one, every byte,
+    no journal left."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    files = {f"src/{d}/f{i:03d}.txt": f"{d}-{i}-".encode() * (i % 7 + 1) for d in ("a", "b") for i in range(150)}
+    for rel, data in files.items():
+        s.put(rel, data)
+    seen = {"n": 0}
+
+    def nth(req: HttpRequest) -> bool:
+        if phase == "copy":
+            hit = req.method == "PUT" and "x-amz-copy-source" in req.headers
+        else:
+            hit = (req.method == "DELETE" and "/src/" in req.target) or (req.method == "POST" and "delete" in req.target)
+        seen["n"] += hit
+        return hit and seen["n"] == 120
+
+    victim: list[int] = []
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env) as pid:
+        assert len(os.listdir(mnt / "src" / "a")) == 150
+        victim.append(pid)
+        s.proxy.stop_when = _kill_on(victim, nth)
+        s.proxy.stop_at, s.proxy.outage = "request", 0.0
+        code = errno_of(lambda: os.rename(mnt / "src", mnt / "dst"))
+        assert not victim, f"the daemon was not killed midway: {s.proxy.requests[-3:]}"
+        assert code in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO), code
+        sigkill(pid, mnt)
+    renames = sorted((cache / "staging").glob("rename-*.json"))
+    assert len(renames) == 1, renames
+    under = lambda top: {p.split(f"{s.root}/", 1)[1] for p in s.client.find(f"{s.root}/{top}")}  # noqa: E731
+    assert under("src") and under("dst"), "not killed midway: one tree already"
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        assert not list((cache / "staging").glob("rename-*.json"))
+        assert not (mnt / "src").exists()
+        assert sorted(os.listdir(mnt / "dst" / "b")) == sorted(k.rsplit("/", 1)[1] for k in files if "/b/" in k)
+    assert not under("src")
+    assert {k for k in under("dst") if not k.endswith("/")} == {"dst" + k[3:] for k in files}
+    for rel, data in files.items():
+        assert s.cat("dst" + rel[3:]) == data, rel
+
+
+@cells("s3")
 def test_a_commit_refused_for_good_is_kept_reported_once_never_retried_in_a_loop(store: Store,
                                                                                  tmp_path: Path) -> None:
     """Issue 37: a commit that no retry can change was retried every interval and after every

@@ -96,6 +96,8 @@ def format_status(items: list[dict[str, Any]]) -> str:
                          f"{len(conflicts)} conflicts")
             lines += [format_committing(c, time.time()) for c in up.get("committing", [])]
             lines += [format_failed(f) for f in up["failed"]]
+            lines += [f"    unfinished directory rename {r['src']} -> {r['dst']} ({r['error']}): {r['todo']}"
+                      for r in up.get("renames", [])]
             lines += [f"    conflict {c['key']}: changed by someone else; our bytes are in {c['committed_as']}"
                       for c in conflicts[-10:]]
         blocks.append("\n".join(lines))

@@ -119,7 +119,13 @@ class Filesystem:
                                 "files": cache.pinned() if cache else 0}}
 
     def upload_status(self) -> dict[str, Any]:
-        return {**self.writes.upload_status(), "committing": interrupts.in_progress()}
+        return {**self.writes.upload_status(), "committing": interrupts.in_progress(),
+                "renames": self.renamer.unfinished_status()}
+
+    def finish_renames(self) -> None:
+        """Finish the directory renames an earlier daemon left midway (at start, before the
+        staged files are recovered: theirs were committed before the rename began)."""
+        self.renamer.finish_unfinished()
 
     def retry_failed_commits(self) -> list[Recovered]:
         return self.writes.retry_failed_commits()
