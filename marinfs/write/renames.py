@@ -48,15 +48,20 @@ class UnfinishedRename:
 
 def journaled_rename_tree(staging_dir: Path, remote: Remote, src: str, dst: str) -> list[Copied]:
     """``remote.rename_tree(src, dst)`` with its intent journaled first; the journal goes once
-    it is done, and stays if it fails or the daemon dies (the next start finishes it)."""
-    staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, path = tempfile.mkstemp(prefix=PREFIX, suffix=SUFFIX, dir=staging_dir)  # a unique name, 0600
-    os.close(fd)
-    try:
-        write_journal(path, {"remote": remote.url, "src": src, "dst": dst, "since": time.time()})
-    except BaseException:
-        Path(path).unlink(missing_ok=True)
-        raise
+    it is done, and stays if it fails or the daemon dies (the next start finishes it). The same
+    rename of one left midway goes on under its journal."""
+    existing = journal_of(staging_dir, remote, src, dst)
+    if existing is not None:
+        path = str(existing)
+    else:
+        staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, path = tempfile.mkstemp(prefix=PREFIX, suffix=SUFFIX, dir=staging_dir)  # a unique name, 0600
+        os.close(fd)
+        try:
+            write_journal(path, {"remote": remote.url, "src": src, "dst": dst, "since": time.time()})
+        except BaseException:
+            Path(path).unlink(missing_ok=True)
+            raise
     copies = remote.rename_tree(src, dst)  # (raises: the journal stays, the next start finishes it)
     Path(path).unlink(missing_ok=True)
     return copies
