@@ -254,6 +254,9 @@ class HttpFaultProxy:
 
     - ``fail_fraction``: that fraction of requests (seeded) matching ``fail_match`` is answered
       ``503 SlowDown`` (``fail_status`` 403: ``AccessDenied``) without reaching the server.
+    - ``delay``: seconds each request matching ``delay_match`` waits before it is forwarded
+      (a slow store); ``arrivals`` lists every request as it arrives (monotonic time, method,
+      target), so a test can count what was sent after a moment.
     - ``stop_when``: a one-shot trigger; the first matching request makes the server "stop":
       with ``stop_at="request"`` the request is dropped unanswered (the connection is reset, as
       when a server dies during an upload); with ``"response"`` the server's response is cut
@@ -270,6 +273,9 @@ class HttpFaultProxy:
         self.fail_match = lambda req: True
         self.fail_status = 503
         self.stop_when = None  # Callable[[HttpRequest], bool] | None
+        self.delay = 0.0
+        self.delay_match = lambda req: True
+        self.arrivals: list[tuple[float, str, str]] = []
         self.stop_at = "response"
         self.cut_after = 1024
         self.outage = float("inf")
@@ -357,6 +363,11 @@ class HttpFaultProxy:
             req = _read_request(client)
             if req is None or self.down:
                 return
+            with self._lock:
+                self.arrivals.append((time.monotonic(), req.method, req.target))
+                delay = self.delay if self.delay and self.delay_match(req) else 0.0
+            if delay:
+                time.sleep(delay)
             with self._lock:
                 stopping = self.stop_when is not None and self.stop_when(req)
                 if stopping:

@@ -1317,3 +1317,42 @@ def test_fs_a_rename_that_fails_midway_moves_no_reader(fs: Filesystem, remote: R
     fs.rename("/a", "/b")
     assert fs.handles.get(h).key == "b" and fs.read(h, 10, 0) == b"bytes"
     fs.release(h)
+
+
+def test_fs_a_directory_rename_that_fails_midway_is_reported_and_finished_by_the_same_rename(
+        fs: Filesystem, remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a directory rename on a store that copies is journaled; one that fails midway
+    (every copy made, the deletes refused) keeps its journal, is listed by the status with what
+    to do, and the same rename again (its target no longer empty) finishes it, as does a new
+    Filesystem's start (finish_renames)."""
+    if remote.renames_in_place:
+        pytest.skip("rename(2) does not fail halfway")
+    for i in range(5):
+        put(remote, f"src/f{i}", b"bytes %d" % i)
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, "refused")
+
+    monkeypatch.setattr(remote.fs, "rm_file", refused)
+    with pytest.raises(OSError):
+        fs.rename("/src", "/dst")
+    monkeypatch.undo()
+    (journal,) = sorted((tmp_path / "staging").glob("rename-*.json"))
+    (left,) = fs.upload_status()["renames"]
+    assert (left["src"], left["dst"], left["journal"]) == ("src", "dst", str(journal))
+    assert "next start" in left["todo"] and str(journal) in left["todo"]
+    assert cat(remote, "src/f0") == b"bytes 0" and cat(remote, "dst/f0") == b"bytes 0"  # both trees
+    fs.rename("/src", "/dst")  # the same rename again: not ENOTEMPTY, it finishes
+    assert not journal.exists() and fs.upload_status()["renames"] == []
+    assert [cat(remote, f"src/f{i}") for i in range(5)] == [None] * 5
+    assert [cat(remote, f"dst/f{i}") for i in range(5)] == [b"bytes %d" % i for i in range(5)]
+    # Left midway again, then a new Filesystem on the same staging directory finishes it.
+    monkeypatch.setattr(remote.fs, "rm_file", refused)
+    with pytest.raises(OSError):
+        fs.rename("/dst", "/moved")
+    monkeypatch.undo()
+    again = Filesystem(remote, staging_dir=tmp_path / "staging")
+    again.finish_renames()
+    assert not list((tmp_path / "staging").glob("rename-*.json")) and again.upload_status()["renames"] == []
+    assert [cat(remote, f"moved/f{i}") for i in range(5)] == [b"bytes %d" % i for i in range(5)]
+    assert cat(remote, "dst/f0") is None

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +40,7 @@ from faults import HttpFaultProxy, HttpRequest
 from mounting import MARINFS, force_unmount, fsspec_client, subprocess_mount
 from servers import start_seaweedfs
 from test_faults import errno_of, journals, wait_for
+from marinfs.write.staging import JOURNAL_SUFFIX
 
 MiB = 1 << 20
 CONNECT, READ, RETRIES, INTERVAL = 1.0, 3.0, 3, 2.0
@@ -325,6 +327,136 @@ def test_daemon_sigkilled_mid_upload_then_restarted_commits_everything(store: St
         assert time.monotonic() - started < COMMIT_BOUND + 20, time.monotonic() - started
     assert not journals(cache)
     assert s.incomplete_uploads() == []  # issue 37: the new daemon aborted it (it was left, billed)
+
+
+# A writer whose close() commits a sparse file (``truncate -s``: the holes are bytes to send):
+# it reports close()'s errno on stdout. SIGINT has a handler, so close() itself answers.
+SPARSE_WRITER = r"""
+import errno, os, signal, sys
+signal.signal(signal.SIGINT, lambda *_: None)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.pwrite(fd, b"head", 0)
+os.ftruncate(fd, int(sys.argv[2]))
+print("closing", flush=True)
+try:
+    os.close(fd)
+    print(0, flush=True)
+except OSError as exc:
+    print(exc.errno, flush=True)
+"""
+
+
+def committing(mnt: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """What `marinfs status --json` lists as commits in progress (published every 2 s)."""
+    out = subprocess.run([*MARINFS, "status", str(mnt), "--json"], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=30, check=True)
+    return json.loads(out.stdout)[0].get("uploads", {}).get("committing", [])
+
+
+@cells("s3")
+def test_a_close_uploading_for_long_is_interrupted_by_a_signal_and_keeps_the_bytes(store: Store,
+                                                                                   tmp_path: Path) -> None:
+    """Issue 37: close() of a sparse file sat in state D while every hole was uploaded, beyond
+    `timeout` and SIGKILL of the writer. A slow store (each part waits 2 s at the proxy): while
+    the parts go, `status` shows the commit with its bytes sent; SIGINT to the writer makes
+    close() EINTR within seconds, no part is sent after it (those in flight finish, then the
+    multipart upload is aborted); the bytes and journal stay, and a remount commits them."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    size = 256 * MiB  # 16 parts of 16 MiB, 4 in flight: 8 s and more at 2 s a part
+    is_part = lambda req: req.method == "PUT" and "partNumber=" in req.target  # noqa: E731
+    s.proxy.delay, s.proxy.delay_match = 2.0, is_part
+    # No retry pass while the test watches: the next daemon commits the bytes.
+    args = [a if a != str(INTERVAL) else "600" for a in MOUNT_ARGS]
+    with subprocess_mount(s.url, mnt, cache, *args, env=s.env):
+        writer = subprocess.Popen([sys.executable, "-c", SPARSE_WRITER, str(mnt / "sparse.bin"), str(size)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "closing"
+            shown: list[dict[str, Any]] = []
+
+            def progress_shown() -> bool:
+                shown[:] = [c for c in committing(mnt, s.env) if c["key"] == "sparse.bin" and c["bytes_sent"] > 0]
+                return bool(shown)
+
+            wait_for(progress_shown, within=15)
+            assert shown[0]["size"] == size and 0 < shown[0]["bytes_sent"] < size, shown
+            status = subprocess.run([*MARINFS, "status", str(mnt)], capture_output=True, text=True,
+                                    env={**os.environ, **s.env}, timeout=30, check=True).stdout
+            assert "committing sparse.bin: " in status and " of 256.0 MiB sent" in status, status
+            assert writer.poll() is None, "close() returned before the upload was done"
+            interrupted = time.monotonic()
+            writer.send_signal(signal.SIGINT)
+            out, _ = writer.communicate(timeout=30)
+            waited = time.monotonic() - interrupted
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+        assert out.strip() == str(errno.EINTR) and waited < 3.0, (out, waited)
+        time.sleep(2.0 + 2.0 + 2.0)  # the parts in flight finish (2 s at the proxy), then the abort
+        after = [(method, target) for at, method, target in s.proxy.arrivals if at > interrupted + 0.5]
+        assert not [t for m, t in after if m == "PUT" and "partNumber=" in t], after
+        assert [t for m, t in after if m == "DELETE" and "uploadId=" in t], after  # the abort
+        sent = sum(1 for _, m, t in s.proxy.arrivals if m == "PUT" and "partNumber=" in t)
+        assert sent < size // (16 * MiB), sent
+        assert s.incomplete_uploads() == [] and s.cat("sparse.bin") is None
+        assert len(journals(cache)) == 1 and not committing(mnt, s.env)
+    print(f"interrupted close: {waited:.2f} s to EINTR, {sent} of 16 parts sent, after it: {after}")
+    (journal,) = journals(cache)
+    assert Path(str(journal).removesuffix(JOURNAL_SUFFIX)).stat().st_size == size
+    s.proxy.delay = 0.0
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        wait_committed(s, "sparse.bin", b"head" + bytes(size - 4), within=COMMIT_BOUND + 30)
+    assert not journals(cache)
+
+
+@cells("s3")
+@pytest.mark.parametrize("phase", ["copy", "delete"])
+def test_a_directory_rename_killed_midway_is_finished_by_the_next_start(store: Store, tmp_path: Path,
+                                                                        phase: str) -> None:
+    """Issue 37: `mv src dst` of 350 files with the daemon SIGKILLed 0.5 s in left every file
+    under src/, 43 also under dst/, with no word anywhere. Now the rename's intent is journaled
+    before the first copy: killed during the copies (or during the deletes that follow), the
+    next daemon on the same cache directory finishes it: one tree, the renamed one, every byte,
+    no journal left."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    files = {f"src/{d}/f{i:03d}.txt": f"{d}-{i}-".encode() * (i % 7 + 1) for d in ("a", "b") for i in range(150)}
+    for rel, data in files.items():
+        s.put(rel, data)
+    seen = {"n": 0}
+
+    def nth(req: HttpRequest) -> bool:
+        if phase == "copy":
+            hit = req.method == "PUT" and "x-amz-copy-source" in req.headers
+        else:
+            hit = (req.method == "DELETE" and "/src/" in req.target) or (req.method == "POST" and "delete" in req.target)
+        seen["n"] += hit
+        return hit and seen["n"] == 120
+
+    victim: list[int] = []
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env) as pid:
+        assert len(os.listdir(mnt / "src" / "a")) == 150
+        victim.append(pid)
+        s.proxy.stop_when = _kill_on(victim, nth)
+        s.proxy.stop_at, s.proxy.outage = "request", 0.0
+        code = errno_of(lambda: os.rename(mnt / "src", mnt / "dst"))
+        assert not victim, f"the daemon was not killed midway: {s.proxy.requests[-3:]}"
+        assert code in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO), code
+        sigkill(pid, mnt)
+    renames = sorted((cache / "staging").glob("rename-*.json"))
+    assert len(renames) == 1, renames
+    under = lambda top: {p.split(f"{s.root}/", 1)[1] for p in s.client.find(f"{s.root}/{top}")}  # noqa: E731
+    assert under("src") and under("dst"), "not killed midway: one tree already"
+    with subprocess_mount(s.url, mnt, cache, *MOUNT_ARGS, env=s.env):
+        assert not list((cache / "staging").glob("rename-*.json"))
+        assert not (mnt / "src").exists()
+        assert sorted(os.listdir(mnt / "dst" / "b")) == sorted(k.rsplit("/", 1)[1] for k in files if "/b/" in k)
+    assert not under("src")
+    assert {k for k in under("dst") if not k.endswith("/")} == {"dst" + k[3:] for k in files}
+    for rel, data in files.items():
+        assert s.cat("dst" + rel[3:]) == data, rel
 
 
 @cells("s3")

@@ -170,6 +170,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     commit_markers=cfg.commit_markers,
                     list_prefetch=cfg.list_prefetch and remote.object_store,
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
+    fs.finish_renames()  # directory renames an earlier run left midway
     fs.recover_staged(at_start=True)  # what an earlier run staged but never committed
     return fs
 

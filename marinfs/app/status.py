@@ -94,7 +94,10 @@ def format_status(items: list[dict[str, Any]]) -> str:
             conflicts = up.get("conflicts", [])
             lines.append(f"  uploads: {len(up['pending'])} pending, {len(up['failed'])} failed, "
                          f"{len(conflicts)} conflicts")
+            lines += [format_committing(c, time.time()) for c in up.get("committing", [])]
             lines += [format_failed(f) for f in up["failed"]]
+            lines += [f"    unfinished directory rename {r['src']} -> {r['dst']} ({r['error']}): {r['todo']}"
+                      for r in up.get("renames", [])]
             lines += [f"    conflict {c['key']}: changed by someone else; our bytes are in {c['committed_as']}"
                       for c in conflicts[-10:]]
         blocks.append("\n".join(lines))
@@ -107,6 +110,15 @@ def format_shared(shared: dict[str, Any]) -> str:
     return (f"  shared tier {shared['dir']}: {state}; {shared['hits']} hits, {shared['misses']} misses, "
             f"{shared['published']} published, {shared['lease_waits']} lease waits, "
             f"{shared['corrupt']} damaged, ~{human_size(shared['used_estimate'])} / {human_size(shared['limit'])}")
+
+
+def format_committing(c: dict[str, Any], now: float | None) -> str:
+    """A commit uploading now: its bytes acknowledged by the store so far (published every
+    2 s), of its size."""
+    size = c.get("size")
+    of = f" of {human_size(size)}" if isinstance(size, int) else ""
+    took = f", for {max(0.0, now - c['since']):.0f} s" if isinstance(now, (int, float)) and c.get("since") else ""
+    return f"    committing {c['key']}: {human_size(c.get('bytes_sent') or 0)}{of} sent{took}"
 
 
 def format_failed(f: dict[str, Any]) -> str:

@@ -39,6 +39,7 @@ from marinfs.core.paths import key_of
 from marinfs.core.reads import Reads
 from marinfs.core.rename import Renamer
 from marinfs.core.writes import Writes
+from marinfs import interrupts
 from marinfs.errors import FsError
 from marinfs.meta.listings import ListingPrefetcher
 from marinfs.meta.metadata import MetadataCache
@@ -119,12 +120,18 @@ class Filesystem:
         versions open so now."""
         cache = self.fetcher.cache
         return {"cache": cache.snapshot() if cache else None, "remote_requests": self.remote.stats.snapshot(),
-                "uploads": self.writes.upload_status(), "memory": self.fetcher.memory(),
+                "uploads": self.upload_status(), "memory": self.fetcher.memory(),
                 "passthrough": {"on": self.kernel.backings is not None, "opens": self.kernel.passthrough_opens,
                                 "files": cache.pinned() if cache else 0}}
 
     def upload_status(self) -> dict[str, Any]:
-        return self.writes.upload_status()
+        return {**self.writes.upload_status(), "committing": interrupts.in_progress(),
+                "renames": self.renamer.unfinished_status()}
+
+    def finish_renames(self) -> None:
+        """Finish the directory renames an earlier daemon left midway (at start, before the
+        staged files are recovered: theirs were committed before the rename began)."""
+        self.renamer.finish_unfinished()
 
     def retry_failed_commits(self) -> list[Recovered]:
         return self.writes.retry_failed_commits()
@@ -287,12 +294,14 @@ class Filesystem:
         (write-back: once they are staged, the upload queued; see Writes.flush)."""
         handle = self.handles.get(fh)
         if handle.staged is not None:
-            self.writes.flush(handle.staged)
+            with interrupts.call(handle.staged.key):  # (`marinfs status`: its bytes sent so far)
+                self.writes.flush(handle.staged)
 
     def fsync(self, fh: int) -> None:
         handle = self.handles.get(fh)
         if handle.staged is not None:
-            self.writes.fsync(handle.staged)
+            with interrupts.call(handle.staged.key):
+                self.writes.fsync(handle.staged)
 
     def release(self, fh: int) -> None:
         handle = self.kernel.release(fh)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import posixpath
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -25,6 +26,8 @@ from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import Copied, ObjectInfo, ObjectRef, ObjectVersion
 from marinfs.read.reader import ObjectReader
 from marinfs.remote import Remote
+from marinfs.write import renames
+from marinfs.write.commit import describe
 from marinfs.write.staging import StagedFile
 
 # A read handle to move: (handle, its key and version then, new key, new version).
@@ -45,6 +48,24 @@ class Renamer:
         self.writes = writes
         self.namespace = namespace
         self.ref = ref
+        # GUARDED_BY(lock): directory renames left midway (their journals stay), for `status`.
+        self.unfinished: list[renames.UnfinishedRename] = []
+
+    def finish_unfinished(self) -> None:
+        """Finish the directory renames an earlier daemon (or this one) left midway."""
+        left = renames.finish_renames(self.writes.staging_dir, self.remote)
+        with self.lock:
+            self.unfinished[:] = left
+
+    def unfinished_status(self) -> list[dict[str, object]]:
+        with self.lock:
+            return [u.as_dict() for u in self.unfinished]
+
+    def _journaled(self, src: str, dst: str) -> list[Copied]:
+        copies = renames.journaled_rename_tree(self.writes.staging_dir, self.remote, src, dst)
+        with self.lock:  # (the same rename again finished one left midway)
+            self.unfinished[:] = [u for u in self.unfinished if (u.src, u.dst) != (src, dst)]
+        return copies
 
     def rename(self, old: str, new: str) -> None:
         src, dst = key_of(old), key_of(new)
@@ -99,7 +120,9 @@ class Renamer:
         if info.is_dir:
             if target is not None and not target.is_dir:
                 raise FsError(errno.ENOTDIR, dst)
-            if target is not None:
+            unfinished = (not self.remote.renames_in_place
+                          and renames.journal_of(self.writes.staging_dir, self.remote, src, dst) is not None)
+            if target is not None and not unfinished:  # (the same rename again finishes one left midway)
                 self.namespace.check_empty(dst)
                 self.remote.remove_dir(dst)
             return self._rename_dir(src, dst)
@@ -187,8 +210,21 @@ class Renamer:
             for _, staged in pending:
                 self.writes.commit(staged)
             # One rename(2) on a local disk; on object stores every object is copied, then the
-            # originals are deleted: not atomic (documented).
-            copies = self.remote.rename_tree(src, dst)
+            # originals are deleted: not atomic (documented), so journaled: a daemon killed midway
+            # (or a failure) leaves the next start the rest to do.
+            if self.remote.renames_in_place:
+                copies = self.remote.rename_tree(src, dst)
+            else:
+                try:
+                    copies = self._journaled(src, dst)
+                except Exception as exc:
+                    journal = renames.journal_of(self.writes.staging_dir, self.remote, src, dst)
+                    if journal is not None:
+                        with self.lock:
+                            self.unfinished[:] = [u for u in self.unfinished if (u.src, u.dst) != (src, dst)]
+                            self.unfinished.append(renames.UnfinishedRename(src, dst, str(journal), describe(exc),
+                                                                            time.time()))
+                    raise
             self.writes.move(src, dst)
         return copies
 

@@ -33,6 +33,7 @@ from marinfs.fuse.libfuse import pick_libfuse  # noqa: E402
 pick_libfuse()
 import mfusepy as fuse  # noqa: E402
 
+from marinfs import interrupts  # noqa: E402
 from marinfs.errors import FsError, RemoteError, errno_for  # noqa: E402
 from marinfs.core import Filesystem, Opened  # noqa: E402
 from marinfs.objects import ObjectInfo  # noqa: E402
@@ -48,6 +49,10 @@ UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # a timespec's tv_nsec in 
 # FUSE passthrough (libfuse >= 3.17, Linux >= 6.9): a file opened with a backing id is read (and
 # mapped) by the kernel from the local file registered under that id, without the daemon.
 LIBFUSE_PASSTHROUGH = (fuse.fuse_version_major, fuse.fuse_version_minor) >= (3, 17)
+# Interrupts (flush and fsync of a long commit, _interrupted): libfuse 3.14 marks every request
+# the kernel interrupts; 3.17 does so only with the ``intr`` config set (set in init: a 3.14
+# that reads it at fuse_new would signal threads with SIGUSR1 and no handler).
+LIBFUSE_INTERRUPT_OPT_IN = (fuse.fuse_version_major, fuse.fuse_version_minor) >= (3, 17)
 FUSE_CAP_PASSTHROUGH = 1 << 29  # fuse_common.h
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map {int32 fd; uint32 flags; uint64 padding})
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
@@ -95,6 +100,16 @@ def _invalidate_path(path: str) -> None:
     code = lib.fuse_invalidate_path(lib.fuse_get_context().contents.fuse, os.fsencode(path))
     if code:
         log.debug("invalidating %s in the kernel: %s", path, os.strerror(-code))
+
+
+def _interrupted() -> bool:
+    """Whether the kernel interrupted the request this thread serves (its caller got a signal):
+    libfuse marks the request when FUSE_INTERRUPT for it arrives, before or while it runs."""
+    return bool(_fuse_interrupted())
+
+
+_fuse_interrupted = fuse._libfuse.fuse_interrupted
+_fuse_interrupted.restype, _fuse_interrupted.argtypes = ctypes.c_int, []
 
 
 def _errors(method: F, op: str | None = None) -> F:
@@ -244,7 +259,14 @@ class FuseAdapter(fuse.Operations):
         return 0
 
     def init_with_config(self, conn: Any, config: Any) -> None:
-        """Ask for passthrough where libfuse and the kernel have it (conn: fuse_conn_info)."""
+        """Take FUSE_INTERRUPT; ask for passthrough where libfuse and the kernel have it (conn:
+        fuse_conn_info)."""
+        if config is not None and LIBFUSE_INTERRUPT_OPT_IN:
+            # 3.17 tells the kernel to send no FUSE_INTERRUPT unless ``intr`` is set (no longer
+            # a mount option: the config of init, read after it). It also has libfuse signal the
+            # serving thread (SIGUSR1, a handler that does nothing) until the request ends:
+            # Python resumes the calls that signal cuts short (PEP 475).
+            config.intr = 1
         if not (self.passthrough and LIBFUSE_PASSTHROUGH and conn is not None):
             log.info("passthrough: %s", "off" if not self.passthrough else
                      f"libfuse {fuse.fuse_version_major}.{fuse.fuse_version_minor} has none (3.17 has)")
@@ -295,8 +317,10 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def write(self, path: str | None, data: bytes | memoryview, offset: int, fi: Any) -> int:
-        """``data``: from _Fuse.write, a view of libfuse's buffer, valid only during the call."""
-        return self.fs.write(fi.fh, data, offset)
+        """``data``: from _Fuse.write, a view of libfuse's buffer, valid only during the call.
+        A write that waits for the parts streaming ahead of it stops waiting when interrupted."""
+        with interrupts.interruptible(_interrupted):
+            return self.fs.write(fi.fh, data, offset)
 
     @_errors
     def truncate(self, path: str, length: int, fi: Any = None) -> int:
@@ -310,12 +334,15 @@ class FuseAdapter(fuse.Operations):
 
     @_errors
     def flush(self, path: str, fi: Any) -> int:
-        self.fs.flush(fi.fh)
+        """The commit at close: a signal to the caller interrupts it (EINTR), bytes kept."""
+        with interrupts.interruptible(_interrupted):
+            self.fs.flush(fi.fh)
         return 0
 
     @_errors
     def fsync(self, path: str, datasync: int, fi: Any) -> int:
-        self.fs.fsync(fi.fh)
+        with interrupts.interruptible(_interrupted):
+            self.fs.fsync(fi.fh)
         return 0
 
     @_errors

@@ -686,7 +686,10 @@ class Remote:
         for f in files:  # a name the store cannot hold fails the rename before anything moved
             self.check_key(dst + f[len(src):])
         for d in sorted(explicit):  # implicit directories come along with their objects
-            self.make_dir(dst + d[len(src):])
+            try:
+                self.make_dir(dst + d[len(src):])
+            except FileExistsError:
+                pass  # a rename left midway, finished now (write/renames.py): made the first time
         copies = [self.copy(f, dst + f[len(src):]) for f in files]
         for f in files:
             self.delete(f)

@@ -18,9 +18,11 @@ import concurrent.futures as cf
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from marinfs import interrupts
 from marinfs.checksums import crc32c_extend
 from marinfs.objects import ObjectVersion
 
@@ -84,7 +86,8 @@ class PartStream:
         self.sequential = True
         self.broken = False  # gave up: commit uploads the whole file
         self.dirty: set[int] = set()  # dispatched parts written again since
-        self.futures: dict[int, cf.Future[None]] = {}
+        self.futures: dict[int, cf.Future[int]] = {}
+        self.sent = 0  # bytes of the parts the store has acknowledged (for `marinfs status`)
         # CRC-32C of the parts as they are written (the bytes pass through here anyway, so the
         # part need not be read back to be summed): bytes [0, sum_at) were summed in order, the
         # current part's so far in ``_sum``; full parts not written since in ``sums``. -1: the
@@ -205,17 +208,27 @@ class PartStream:
             return False
         if self.sum_at >= 0 and getattr(self.session, "checksum", None) != "crc32c":
             self._unsum(0)  # this session sums its parts otherwise
-        self.futures[index] = self.pool.submit(self._send, index, None, self.sums.pop(index, None))
+        self.futures[index] = self._submit(index, None, self.sums.pop(index, None))
         return True
+
+    def _submit(self, index: int, total: int | None, crc: int | None) -> cf.Future[int]:
+        future = self.pool.submit(self._send, index, total, crc)
+        future.add_done_callback(self._acknowledged)
+        return future
+
+    def _acknowledged(self, future: cf.Future[int]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.sent += future.result()  # (an int's += under the GIL: callbacks may race)
 
     def _wait_for_slot(self) -> None:
         pending = [f for f in self.futures.values() if not f.done()]
         limit = 1 if self.session is not None and self.session.ordered else self.max_in_flight
         while len(pending) >= limit:
-            cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            interrupts.wait(pending, first=True)  # (a writer given a signal stops streaming here)
             pending = [f for f in pending if not f.done()]
 
-    def _send(self, index: int, total: int | None, crc: int | None = None) -> None:
+    def _send(self, index: int, total: int | None, crc: int | None = None) -> int:
+        """Send part ``index``; answers its size."""
         assert self.session is not None
         start = index * self.part_size
         size = self.part_size if total is None else max(0, min(self.part_size, total - start))
@@ -225,9 +238,10 @@ class PartStream:
                 send_range(index, self.fd, start, size, total, crc32c=crc)
             else:
                 send_range(index, self.fd, start, size, total)
-            return
+            return size
         data = os.pread(self.fd, size, start)
         self.session.send(index, data, total)
+        return size
 
     def _give_up(self, why: str) -> None:
         log.debug("streaming upload stops: %s", why)
@@ -257,8 +271,16 @@ class PartStream:
         if self.broken or self.session is None:
             self.abort()
             return False, None
-        errors = self._drain()
         session = self.session
+        call = interrupts.current()
+        if call is not None:
+            call.progress(lambda: self.sent, total)
+        try:
+            interrupts.wait(self.futures.values())  # the parts sent while it was written
+        except InterruptedError:
+            self._cancel(session)
+            raise
+        errors = self._drain()
         if errors or total == 0:
             self.broken = True
             self.session = None
@@ -270,7 +292,8 @@ class PartStream:
         try:
             if session.ordered:
                 for i in range(self.next_part, parts):
-                    self._send(i, total if i == parts - 1 else None)
+                    interrupts.check()
+                    self.sent += self._send(i, total if i == parts - 1 else None)
             else:
                 last_full = total % self.part_size == 0
                 needed = [i for i in range(parts)
@@ -279,6 +302,9 @@ class PartStream:
                     self.sums[parts - 1] = self._sum  # the tail, summed as it was written
                 self._send_parallel(needed, total)
             version = session.complete(parts, total)
+        except InterruptedError:
+            self._cancel(session)
+            raise
         except BaseException:
             self.broken = True
             self.session = None
@@ -290,15 +316,37 @@ class PartStream:
         return True, version
 
     def _send_parallel(self, indexes: list[int], total: int) -> None:
-        futures: list[cf.Future[None]] = []
+        futures: list[cf.Future[int]] = []
         for i in indexes:
             pending = [f for f in futures if not f.done()]
             while len(pending) >= self.max_in_flight:
-                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                interrupts.wait(pending, first=True)
                 pending = [f for f in pending if not f.done()]
-            futures.append(self.pool.submit(self._send, i, total, self.sums.pop(i, None)))
+            futures.append(self._submit(i, total, self.sums.pop(i, None)))
+            self.futures[i] = futures[-1]  # (what an interruption waits for before the abort)
+        interrupts.wait(futures)
         for f in futures:
             f.result()
+
+    def _cancel(self, session: PartSession) -> None:
+        """The caller gave up (interrupted): no part more leaves; the session is aborted once
+        the parts in flight are over (a part that lands after an abort would outlive it), on a
+        thread of its own, so the caller is answered now. The staging file and its journal
+        stay: the commit failed like any other, and is retried."""
+        self.broken = True
+        self.session = None
+        in_flight = [f for f in self.futures.values() if not f.cancel() and not f.done()]
+        log.info("upload interrupted by its caller after %d bytes; %d parts in flight finish, then it is aborted",
+                 self.sent, len(in_flight))
+
+        def abort_after() -> None:
+            cf.wait(in_flight)
+            try:
+                self._abort(session)
+            except Exception as exc:  # noqa: BLE001 - its journal names it: the retry or the next start aborts it
+                log.warning("could not abort an interrupted upload: %s", exc)
+
+        threading.Thread(target=abort_after, name="upload-abort", daemon=True).start()
 
 
 def upload_file(path: str, open_session: Callable[[], PartSession], part_size: int,

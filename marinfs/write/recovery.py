@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from marinfs import interrupts
 from marinfs.write.commit import commit_or_conflict, conflict_name, describe, is_permanent
 from marinfs.errors import CURABLE_ERRNOS, final_errno
 from marinfs.objects import ObjectVersion, PosixAttrs
@@ -85,7 +86,8 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
         except Exception as exc:  # noqa: BLE001 - the store is down, say: replayed with it later
             results.append(Recovered(key, str(data), None, error=describe(exc), permanent=is_permanent(exc)))
             continue
-        results.append(_replay(journal, data, key, base, remote, attrs))
+        with interrupts.call(key):  # (`marinfs status`: a commit in progress, its bytes sent)
+            results.append(_replay(journal, data, key, base, remote, attrs))
     return results
 
 
