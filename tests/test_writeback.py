@@ -378,3 +378,39 @@ def test_a_checkpoint_saved_to_a_temporary_directory_then_renamed_is_uploaded_on
         status = json.loads(subprocess.run([sys.executable, "-m", "marinfs", "status", "--json", str(wb_mount.mnt)],
                                            capture_output=True, text=True, check=True, env=env).stdout)
         assert status[0]["remote_requests"]["requests"].get("copy", 0) == 0
+
+
+def test_rsync_through_a_write_back_mount_costs_one_request_a_file(wb_mount: Any, tmp_path: Path) -> None:
+    """rsync -a: a temporary name, close, utimens, chmod, rename. With write-back the
+    attributes travel with the upload and the rename re-targets it: one PUT a file, no copy."""
+    import json
+    import subprocess
+    import sys
+
+    if wb_mount.url.startswith("/"):
+        pytest.skip("requests are counted on object stores")
+    src = tmp_path / "src"
+    for i in range(120):
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i:03d}").write_bytes(os.urandom(100 + i))
+        os.chmod(src / f"d{i % 4}" / f"f{i:03d}", 0o600)
+    env = {**os.environ, **(wb_mount.env or {})}
+
+    def requests() -> dict[str, int]:
+        time.sleep(2.5)  # the daemon publishes its counters every 2 s
+        out = subprocess.run([sys.executable, "-m", "marinfs", "status", "--json", str(wb_mount.mnt)],
+                             capture_output=True, text=True, check=True, env=env).stdout
+        return json.loads(out)[0]["remote_requests"]["requests"]
+
+    before = requests()
+    subprocess.run(["rsync", "-a", f"{src}/", str(wb_mount.mnt / "dst")], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(wb_mount.mnt)], check=True, env=env,
+                   timeout=300)
+    after = requests()
+    spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert spent.get("copy", 0) == 0 and spent.get("delete", 0) == 0, spent
+    assert sum(spent.values()) <= 1.2 * 120, spent  # one PUT a file (and a few for the directories)
+    for i in (0, 57, 119):
+        name = f"dst/d{i % 4}/f{i:03d}"
+        assert wb_mount.remote_bytes(name) == (src / f"d{i % 4}" / f"f{i:03d}").read_bytes()
+    assert os.stat(wb_mount.mnt / "dst" / "d1" / "f001").st_mode & 0o777 == 0o600

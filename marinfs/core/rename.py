@@ -20,7 +20,7 @@ from marinfs.core.handles import Handle, HandleTable
 from marinfs.core.kernel import KernelView
 from marinfs.core.namespace import Namespace
 from marinfs.core.paths import entries_changed, key_of, under
-from marinfs.core.writes import Writes
+from marinfs.core.writes import Writes, staged_info
 from marinfs.errors import FsError
 from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import Copied, ObjectInfo, ObjectRef, ObjectVersion
@@ -79,7 +79,8 @@ class Renamer:
         self.namespace.require_dir(posixpath.dirname(dst))
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
         staged = src in self.writes.staged  # (before the rename moves it to dst)
-        if self._retarget(src, dst, info, target):
+        retargeted = self._retarget(src, dst, info, target)
+        if retargeted:
             copies: list[Copied] = []
         else:
             # A rename's deletes never overtake an upload closed before it (write-back).
@@ -88,7 +89,11 @@ class Renamer:
         self._follow(self._moves(copies))
         if in_place:
             self._follow_in_place(src, dst, in_place)
-        renamed = self._renamed_info(dst, info, target, next((c for c in copies if c.src == src), None), staged)
+        if retargeted and not info.is_dir:  # what this node shows until its upload lands: its staged bytes
+            moved = self.writes.staged.get(dst)
+            renamed = staged_info(moved) if moved is not None else None
+        else:
+            renamed = self._renamed_info(dst, info, target, next((c for c in copies if c.src == src), None), staged)
         if renamed is not None:  # both parents' listings stay valid: rsync renames every file
             self.metadata.removed_own(src)
             self.metadata.put_own(renamed)
