@@ -105,7 +105,7 @@ RANGE = 8 * MiB  # the direct clients' range size (= marinfs's default chunk)
 THREADS = 8
 CAP_S = 30.0  # a one-at-a-time direct client or a slow tool is stopped here (rate of what it did)
 MARINFS = [sys.executable, "-m", "marinfs"]
-ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small")
+ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small", "orbax")
 TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "rclone", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
           "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "rclone": "rclone mount",
@@ -193,6 +193,8 @@ def rows_for(a: argparse.Namespace) -> list[Row]:
         Row("small_durable", "small", f"{small} small files: tar -x until all in the bucket", "files/s"),
         Row("small_read", "small", f"{small} small files: cold read in name order (find, sort, xargs cat)",
             "files/s"),
+        Row("orbax_save", "orbax", f"Orbax CheckpointManager: save {ORBAX_MIB} MiB twice (max_to_keep=1)", "MiB/s"),
+        Row("orbax_restore", "orbax", f"Orbax CheckpointManager: restore {ORBAX_MIB} MiB", "MiB/s"),
     ]
 
 
@@ -1052,6 +1054,80 @@ def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
             pb.wipe(env.admin, bucket, prefix)
 
 
+ORBAX_MIB = 256  # the state: 97 float32 arrays (a model's parameters and optimizer state)
+# Run in a child: jax's import and threads stay out of this process. Saves twice (the second
+# deletes the first: max_to_keep=1), restores, prints seconds and every file of the last step.
+ORBAX_SCRIPT = r"""
+import json, os, sys, time
+import numpy as np
+import orbax.checkpoint as ocp
+root, mib = sys.argv[1], int(sys.argv[2])
+n = 97
+each = mib * 2**20 // 4 // n
+rng = np.random.default_rng(0)
+state = {f"layer{i:02d}": rng.standard_normal(each, dtype=np.float32) for i in range(n)}
+out = {}
+with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=1)) as mngr:
+    for step in (1, 2):
+        t = time.monotonic()
+        mngr.save(step, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        out[f"save{step}"] = time.monotonic() - t
+    t = time.monotonic()
+    back = mngr.restore(2, args=ocp.args.StandardRestore(state))
+    out["restore"] = time.monotonic() - t
+assert all(np.array_equal(back[k], v) for k, v in state.items()), "restored state differs"
+files = {}
+for d, _, names in os.walk(os.path.join(root, "2")):
+    for name in names:
+        p = os.path.join(d, name)
+        files[os.path.relpath(p, root)] = os.path.getsize(p)
+out["files"] = files
+print(json.dumps(out))
+"""
+
+
+def w_orbax(env: Env, d: Data, tool: str, rep: int) -> None:
+    """An Orbax CheckpointManager (jax CPU) saving a state twice and restoring it, on a path in
+    the mount (on local disk for "local"): what a JAX trainer does where Orbax cannot write s3://
+    itself. After the unmount every file of the last step must be in the bucket."""
+    nbytes = ORBAX_MIB * MiB
+    prefix = f"bench/orbax-{tool}-{rep}/"
+
+    def run(path: Path, pids: dict[str, int]) -> tuple[dict[str, Any], dict[str, float]]:
+        w = CpuWatch(pids).start()
+        r = subprocess.run([sys.executable, "-c", ORBAX_SCRIPT, str(path), str(ORBAX_MIB)], capture_output=True,
+                           text=True, timeout=1800)
+        _, cpu = w.stop()
+        if r.returncode != 0:
+            raise Failure(f"orbax exit {r.returncode}: {pb.one_line(r.stderr, 'Error')}")
+        return json.loads(r.stdout.strip().splitlines()[-1]), cpu
+
+    try:
+        if tool == "local":
+            path = env.tmp / f"orbax-{rep}"
+            out, cpu = run(path, env.pids(os.getpid()))
+            shutil.rmtree(path, ignore_errors=True)
+            extra: dict[str, Any] = {}
+        else:
+            with mounted(env, tool, f"orbax{rep}", rclone_mode="writes") as m:
+                before = metrics(m)
+                path = m.path / f"orbax-{tool}-{rep}"
+                out, cpu = run(path, env.pids(m.pid))
+                extra = {"remote": request_delta(before, metrics(m)), "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+            got, _ = pb.list_objects(env.admin, env.s3.bucket, prefix)  # after the unmount
+            missing = [f for f, size in out["files"].items() if got.get(prefix + f) != size]
+            extra["after_unmount"] = (f"all {len(out['files'])} files of step 2 in the bucket" if not missing
+                                      else f"{len(missing)} of {len(out['files'])} files of step 2 NOT in the bucket")
+        saves = out["save1"] + out["save2"]
+        secs = {"save_s": f"{out['save1']:.2f}/{out['save2']:.2f}"}
+        env.res.add("orbax_save", tool, sample(saves, 2 * nbytes, cpu, value=2 * ORBAX_MIB / saves, **secs, **extra))
+        env.res.add("orbax_restore", tool, sample(out["restore"], nbytes, cpu, value=ORBAX_MIB / out["restore"]))
+    finally:
+        with suppress(Exception):
+            pb.wipe(env.admin, env.s3.bucket, prefix)
+
+
 RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]] = {
     # group: (runner, tools, rows it fills)
     "seq": (w_seq, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse", "local"), ("seq_cold", "seq_warm")),
@@ -1063,6 +1139,7 @@ RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]]
     "write": (w_write, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse"), ("write",)),
     "par_write": (w_par_write, ("marinfs", "obstore", "s3fs-fuse"), ("par_write",)),
     "small": (w_small, ("marinfs", "s3fs-fuse", "rclone"), ("small_close", "small_durable", "small_read")),
+    "orbax": (w_orbax, ("marinfs", "rclone", "local"), ("orbax_save", "orbax_restore")),
 }
 
 

@@ -153,7 +153,7 @@ def test_status_and_metrics_match_what_was_done(tmp_path: Path, remote_dir: Path
         (item,) = json.loads(out.stdout)
         assert item["remote"] == str(remote_dir) and item["cache"]["bytes_fetched"] == 3 << 20
         assert item["remote_requests"]["requests"]["get"] == 3 and item["remote_requests"]["bytes_out"] == 7
-        assert item["uploads"] == {"pending": [], "failed": [], "conflicts": []}
+        assert item["uploads"] == {"pending": [], "failed": [], "conflicts": [], "committing": [], "renames": []}
         human = subprocess.run([*MARINFS, "status"], capture_output=True, text=True, check=True).stdout
         assert str(mnt) in human and "hit ratio" in human
         assert "cache 3.0 MiB / 20.0 GiB" in human and "out 7 B" in human  # (not "0.0 GiB")

@@ -221,7 +221,14 @@ def test_a_shared_directory_made_read_only_or_unmounted_during_reads_fails_no_re
                 # A read-only view stacked on the path (a remount of the tmpfs itself is refused
                 # while the daemon writes a chunk there): new opens meet EROFS.
                 subprocess.run(["mount", "--bind", str(tmpfs_dir), str(tmpfs_dir)], check=True, capture_output=True)
-                subprocess.run(["mount", "-o", "remount,bind,ro", str(tmpfs_dir)], check=True, capture_output=True)
+                # (EBUSY while the daemon has a chunk open for writing through the new view: again)
+                for attempt in range(50):
+                    done = subprocess.run(["mount", "-o", "remount,bind,ro", str(tmpfs_dir)], capture_output=True)
+                    if done.returncode == 0:
+                        break
+                    time.sleep(0.1)
+                else:
+                    raise AssertionError(f"cannot make {tmpfs_dir} read-only: {done.stderr!r}")
             else:
                 subprocess.run(["umount", "-l", str(tmpfs_dir)], check=True, capture_output=True)
             while block := os.read(fd, MiB):

@@ -169,6 +169,23 @@ def test_a_failed_background_upload_is_kept_and_the_next_sync_says_so(wb: tuple[
     assert stored(remote, "bad") == b"kept" and fs.sync("/") == b"0"
 
 
+def test_a_writer_on_another_node_meanwhile_gets_a_conflict_copy_not_an_overwrite(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    gate.open.set()
+    write(fs, "/f", b"v1")
+    fs.sync("/")
+    fh = fs.open("/f", os.O_WRONLY).fh  # starts from v1
+    fs.write(fh, b"ours", 0)
+    remote.fs.pipe_file(remote.full("f"), b"theirs")  # another node's commit meanwhile
+    fs.flush(fh)
+    fs.release(fh)
+    fs.sync("/")  # (the bytes landed, beside the object: reported, not lost)
+    conflicts = fs.upload_status()["conflicts"]
+    assert [c["key"] for c in conflicts] == ["f"] and stored(remote, "f") == b"theirs"
+    assert stored(remote, conflicts[0]["committed_as"]) == b"ours"
+
+
 def test_fsync_keeps_the_bytes_on_the_local_disk_without_waiting_for_the_bucket(
         wb: tuple[Filesystem, Gate], remote: Remote, tmp_path: Path) -> None:
     fs, gate = wb

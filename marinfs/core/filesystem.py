@@ -89,7 +89,7 @@ class Filesystem:
                                    self.writes, self.defaults)
         self.attributes = Attributes(remote, self.metadata, self.handles, self.kernel, self.writes, self.namespace,
                                      self.defaults, read_only)
-        self.reads = Reads(self._lock, self.handles, self.kernel, self.writes.staged, self.fetcher, self.metadata,
+        self.reads = Reads(self._lock, self.handles, self.kernel, self.writes, self.fetcher, self.metadata,
                            self.namespace, remote.url, max_readahead_chunks)
         self.renamer = Renamer(self._lock, remote, self.metadata, self.handles, self.kernel, self.writes,
                                self.namespace, self.reads.ref)

@@ -94,7 +94,7 @@ class Namespace:
             # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
             # file (committed, or open but unwritten) matches the remote, whose stat has a version.
             return staged_info(staged)
-        return self.metadata.get_stat(key)
+        return self.writes.kept_info(key) or self.metadata.get_stat(key)
 
     def lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -170,6 +170,10 @@ class Namespace:
             name = posixpath.basename(staged.key)
             if name not in names:
                 children.append(staged_info(staged))
+                names.add(name)
+        for kept in self.writes.kept_in(key):  # and those whose commit failed (kept, retried)
+            if posixpath.basename(kept.name) not in names:
+                children.append(kept)
         return [self.kernel.present(c) for c in children]
 
     def list_now(self, key: str) -> list[ObjectInfo]:
@@ -271,12 +275,13 @@ class Namespace:
                 entries_changed(self.remote, self.metadata, key)
             return
         staged = self.writes.unlinked(key)
+        kept = self.writes.drop_kept(key)
         gone = False
         try:
             self.remote.delete(key)
             gone = True
         except FileNotFoundError:
-            if staged is None:
+            if staged is None and not kept:
                 raise
             gone = True  # never committed: nothing to delete
         finally:

@@ -7,28 +7,30 @@ A handle's ``reader`` and ``served`` change under the mount's table lock (``lock
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import os
 
 from marinfs.core.handles import Handle, HandleTable
 from marinfs.core.kernel import KernelView
 from marinfs.core.namespace import Namespace
+from marinfs.core.writes import Writes
 from marinfs.errors import StaleVersionError
 from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, ObjectRef, ObjectVersion
 from marinfs.read.reader import ChunkFetcher, ObjectReader
-from marinfs.write.staging import StagedFile, StagedFileGone
+from marinfs.write.staging import StagedFileGone
 
 
 class Reads:
     """Reads by handle, and what they fetch their chunks by."""
 
     def __init__(self, lock: threading.Lock, handles: HandleTable, kernel: KernelView,
-                 staged: Mapping[str, StagedFile], fetcher: ChunkFetcher, metadata: MetadataCache,
+                 writes: Writes, fetcher: ChunkFetcher, metadata: MetadataCache,
                  namespace: Namespace, remote_url: str, max_readahead_chunks: int) -> None:
         self.lock = lock
         self.handles = handles
         self.kernel = kernel
-        self.staged = staged  # the writes room's table
+        self.writes = writes
+        self.staged = writes.staged  # the writes room's table
         self.fetcher = fetcher
         self.metadata = metadata
         self.namespace = namespace
@@ -50,6 +52,14 @@ class Reads:
             except StagedFileGone:  # committed and dropped meanwhile: the object has its bytes
                 if handle.staged is staged:
                     raise
+        if handle.info is not None and handle.info.version is None and not handle.orphan:
+            kept = self.writes.kept(handle.key)  # bytes kept after a failed commit: only here
+            if kept is not None:
+                fd = os.open(kept, os.O_RDONLY)
+                try:
+                    return os.preadv(fd, [dest], offset)
+                finally:
+                    os.close(fd)
         reader = self._reader(handle)
         try:
             n = reader.read_into(dest, offset)

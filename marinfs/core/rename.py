@@ -75,6 +75,8 @@ class Renamer:
         if not src or dst.startswith(src + "/"):
             raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
         info = self.namespace.lookup(src)
+        if self.writes.kept(src) is not None:
+            raise FsError(errno.EIO, f"{src}: its commit failed; its bytes are kept and retried (marinfs status)")
         target = self.namespace.lookup_or_none(dst)
         self.namespace.require_dir(posixpath.dirname(dst))
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
@@ -161,9 +163,14 @@ class Renamer:
                 return False
         else:
             one = self.writes.staged.get(src)
-            if one is None or (target is not None and (target.is_dir or target.link)):
+            # Not over a file this node is writing or uploading (its upload decides what the new
+            # one replaces: the rename waits for it, as before).
+            if (one is None or (target is not None and (target.is_dir or target.link))
+                    or dst in self.writes.staged):
                 return False
             pending = [(src, one)]
+        if any(self.writes.is_marker(dst + key[len(src):]) for key, _ in pending):
+            return False  # a commit marker renamed into place (tmp + mv): after all closed before it
         with contextlib.ExitStack() as held:
             for _, staged in pending:
                 held.enter_context(staged.lock)
@@ -181,7 +188,7 @@ class Renamer:
                 replaced = self.writes.staged.get(dst)
                 if replaced is not None:
                     replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
-            self.writes.move(src, dst, retarget=True)
+            self.writes.move(src, dst, retarget=True, keys={key for key, _ in pending})
             if target is not None and not info.is_dir:  # its upload replaces what is there now
                 pending[0][1].rebase(target.version)
         return True

@@ -232,6 +232,8 @@ class Writes:
         crash of the daemon or the machine loses nothing the next start cannot upload."""
         if self.write_back is None or self.is_marker(staged.key):
             self.flush(staged)
+        elif staged.failed_write:  # a write that never reached the staging file: not durable
+            raise OSError(staged.failed_write, f"a write to {staged.key} failed; not committed")
         else:
             staged.sync_local()
 
@@ -357,6 +359,42 @@ class Writes:
             except Exception as exc:  # noqa: BLE001 - a bucket lifecycle rule is the last resort
                 log.warning("could not abort the upload %s of %s: %s", record.get("id"), record.get("key"), exc)
 
+    # -- bytes kept after a failed commit ------------------------------------------------------------
+    def kept(self, key: str) -> str | None:
+        """The staging file holding ``key``'s bytes kept after a failed commit (retried), or None:
+        this node still shows them (stat, listings, reads), as its own writes."""
+        if not self.failed_commits:
+            return None
+        with self.lock:
+            found = next((f for f in reversed(self.failed_commits) if f.key == key), None)
+        return found.staged if found is not None else None
+
+    def kept_info(self, key: str) -> ObjectInfo | None:
+        path = self.kept(key)
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(name=key, is_dir=False, size=st.st_size, mtime_ns=st.st_mtime_ns, posix=NO_ATTRS)
+
+    def kept_in(self, directory: str) -> list[ObjectInfo]:
+        with self.lock:
+            keys = {f.key for f in self.failed_commits if posixpath.dirname(f.key) == directory}
+        return [info for key in sorted(keys) if (info := self.kept_info(key)) is not None]
+
+    def drop_kept(self, key: str) -> bool:
+        """``key`` is unlinked here: its kept bytes and journal go, never to be retried (the
+        retry would bring back a file the user removed)."""
+        with self.lock:
+            gone = [f for f in self.failed_commits if f.key == key]
+            self.failed_commits[:] = [f for f in self.failed_commits if f.key != key]
+        for entry in gone:
+            for path in (entry.staged + JOURNAL_SUFFIX, entry.staged):
+                Path(path).unlink(missing_ok=True)
+        return bool(gone)
+
     # -- names that change here ---------------------------------------------------------------------
     def unlinked(self, key: str) -> StagedFile | None:
         """``key`` is being unlinked: its open staged file keeps its bytes for its descriptors
@@ -375,14 +413,15 @@ class Writes:
         with self.lock:
             return sorted((k, s) for k, s in self.staged.items() if k.startswith(tree + "/"))
 
-    def move(self, src: str, dst: str, retarget: bool = False) -> None:
+    def move(self, src: str, dst: str, retarget: bool = False, keys: set[str] | None = None) -> None:
         """Open staged files follow their rename, so later writes commit under the new name.
         A replaced target that is still open becomes nameless, as on a local disk.
         ``retarget``: files whose upload has not happened (write-back) go to the new name as
-        new files (nothing of theirs is in the bucket, nor at the new name: no stat)."""
+        new files (nothing of theirs is in the bucket, nor at the new name: no stat), only
+        ``keys`` (those checked: a file made under ``src`` meanwhile stays)."""
         with self.lock:
             replaced = self.staged.pop(dst, None)
-            moving = [k for k in self.staged if under(k, src)]
+            moving = [k for k in self.staged if under(k, src) and (keys is None or k in keys)]
             moves = []
             for k in moving:
                 staged = self.staged.pop(k)

@@ -5,9 +5,11 @@ A directory rename on an object store copies each object under the source, then 
 originals (``Remote.rename_tree``). A daemon killed in between left both trees, silently. So
 ``rename-<id>.json`` in the staging directory names the remote, the source and the target
 before anything is copied, and goes once the rename is whole. At start, each one of this remote
-is finished as the rename itself would have gone on: ``rename_tree`` again over what is left
-of the source (each copy pinned to the object it copies, as always; what was copied already
-and not yet deleted is copied again, the same bytes, then deleted). One that cannot be
+is finished as the rename itself would have gone on, for the objects the journal names (the
+source's files when the rename began): each one still under the source is moved (copied,
+pinned to the object it copies, then deleted; one copied already and not yet deleted is copied
+again, the same bytes). Anything made under the source since (a new tree of the same name) is
+left where it is. One that cannot be
 finished now (the store down) stays, and is reported (``marinfs status``) with what to do.
 """
 
@@ -57,8 +59,10 @@ def journaled_rename_tree(staging_dir: Path, remote: Remote, src: str, dst: str)
         staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, path = tempfile.mkstemp(prefix=PREFIX, suffix=SUFFIX, dir=staging_dir)  # a unique name, 0600
         os.close(fd)
+        files, _, explicit = remote.walk(src)  # what this rename moves: all a finish may move
         try:
-            write_journal(path, {"remote": remote.url, "src": src, "dst": dst, "since": time.time()})
+            write_journal(path, {"remote": remote.url, "src": src, "dst": dst, "since": time.time(),
+                                 "files": files, "dirs": explicit})
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise
@@ -102,7 +106,7 @@ def finish_renames(staging_dir: Path, remote: Remote) -> list[UnfinishedRename]:
             continue
         src, dst = entry["src"], entry["dst"]
         try:
-            remote.rename_tree(src, dst)
+            _finish(remote, src, dst, entry)
         except Exception as exc:  # noqa: BLE001 - reported; tried again at the next start
             error = describe(exc)
             log.error("a directory rename of %s to %s was interrupted and cannot be finished now (%s): "
@@ -112,3 +116,23 @@ def finish_renames(staging_dir: Path, remote: Remote) -> list[UnfinishedRename]:
         path.unlink(missing_ok=True)
         log.warning("finished a directory rename of %s to %s that an earlier daemon left midway", src, dst)
     return left
+
+
+def _finish(remote: Remote, src: str, dst: str, entry: dict) -> None:
+    """Move what the journal names and is still under ``src`` to ``dst``; the source's
+    directories go once nothing is left in them."""
+    named = entry.get("files")
+    if not isinstance(named, list):  # (a journal without the list: the whole tree, as the rename)
+        remote.rename_tree(src, dst)
+        return
+    files, dirs, _ = remote.walk(src)
+    for d in sorted(x for x in entry.get("dirs") or [] if isinstance(x, str)):
+        try:
+            remote.make_dir(dst + d[len(src):])
+        except FileExistsError:
+            pass
+    for key in sorted(set(files) & set(named)):
+        remote.rename(key, dst + key[len(src):])
+    if not remote.walk(src)[0]:  # nothing of anyone's left under it
+        for d in sorted(set(dirs) | {src}, reverse=True):
+            remote.remove_dir(d)

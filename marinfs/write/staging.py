@@ -287,9 +287,13 @@ class StagedFile:
     def rebase(self, version: ObjectVersion | None, attrs: PosixAttrs | None = None) -> None:
         """The remote object is now ``version`` (our commit, a metadata update of ours, a rename
         here), with ``attrs`` if given: the next commit replaces exactly that one."""
-        if attrs is not None:
-            self.attrs = attrs
-        self.base_version = version
+        with self.lock:
+            changed = version != self.base_version
+            if attrs is not None:
+                self.attrs = attrs
+            self.base_version = version
+            if changed and self._journaled:  # a replay after a crash must expect it too
+                self._write_journal()
 
     def set_attrs(self, attrs: PosixAttrs | None) -> None:
         """Attributes for the commit to carry; the journal says so too (a crash keeps them)."""

@@ -50,7 +50,7 @@ class WriteBack:
         self._last = 0  # GUARDED_BY(_lock): the last number given
         self._hurry = 0  # GUARDED_BY(_lock): tasks up to this number start without waiting their delay
         self._stopping = False
-        self.uploaded = 0  # files whose upload ended (for status)
+        self.uploaded = 0  # files whose upload ended, landed or kept after failing (for status)
         self._threads = [start_thread(self._run, f"marinfs-wb{i}") for i in range(max(1, workers))]
 
     def enqueue(self, staged: StagedFile) -> bool:
@@ -112,7 +112,9 @@ class WriteBack:
                     if self._queue:
                         head = self._queue[0]
                         wait = head.ready_at - time.monotonic()
-                        if wait <= 0 or head.seq <= self._hurry or self._stopping:
+                        if self._stopping:
+                            return  # (unmount gave up waiting: what is left keeps its journal)
+                        if wait <= 0 or head.seq <= self._hurry:
                             break
                     elif self._stopping:
                         return
