@@ -359,6 +359,43 @@ def test_a_rename_of_files_not_uploaded_yet_sends_their_uploads_to_the_new_names
     assert fs.getattr("/f").posix.mtime_ns == 1_500_000_000_000_000_000
 
 
+def test_a_manifest_written_beside_and_renamed_over_the_last_one_is_uploaded_once_at_the_end(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    """TensorStore's OCDBT writes manifest.ocdbt.__lock and renames it over manifest.ocdbt,
+    many times a save: each rename re-targets, replacing the previous pending upload."""
+    fs, gate = wb
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    for i in range(6):
+        write(fs, "/manifest.ocdbt.__lock", f"manifest {i}".encode())
+        fs.rename("/manifest.ocdbt.__lock", "/manifest.ocdbt")  # returns at once: the uploads are held
+    assert fs.read(fs.open("/manifest.ocdbt", os.O_RDONLY).fh, 100, 0) == b"manifest 5"
+    gate.open.set()
+    fs.sync("/")
+    assert stored(remote, "manifest.ocdbt") == b"manifest 5" and stored(remote, "manifest.ocdbt.__lock") is None
+    assert remote.stats.count("copy") == 0 and fs.upload_status()["conflicts"] == []
+    assert [k for kind, k in gate.events if kind == "put"] == ["manifest.ocdbt"]
+
+
+def test_a_directory_partly_uploaded_moves_what_is_in_the_bucket_and_re_targets_the_rest(
+        wb: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = wb
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    gate.open.set()
+    fs.mkdir("/tmp-step")
+    write(fs, "/tmp-step/early", b"early")
+    fs.sync("/")  # in the bucket
+    gate.open.clear()
+    write(fs, "/tmp-step/late", b"late")  # held
+    fs.rename("/tmp-step", "/step")
+    gate.open.set()
+    fs.sync("/")
+    assert stored(remote, "step/early") == b"early" and stored(remote, "step/late") == b"late"
+    assert remote.stats.count("copy") == 1  # only the one in the bucket
+    assert not remote.fs.exists(remote.full("tmp-step/early"))
+
+
 def test_a_rename_of_a_file_already_uploaded_copies_it_after_the_uploads_before_it(
         wb: tuple[Filesystem, Gate], remote: Remote) -> None:
     fs, gate = wb

@@ -82,8 +82,8 @@ class Renamer:
         in_place = self._in_place_readers(src) if self.remote.renames_in_place else []
         staged = src in self.writes.staged  # (before the rename moves it to dst)
         retargeted = self._retarget(src, dst, info, target)
-        if retargeted:
-            copies: list[Copied] = []
+        if retargeted is not None:
+            copies = retargeted
         else:
             # A rename's deletes never overtake an upload closed before it (write-back).
             self.writes.barrier()
@@ -91,7 +91,7 @@ class Renamer:
         self._follow(self._moves(copies))
         if in_place:
             self._follow_in_place(src, dst, in_place)
-        if retargeted and not info.is_dir:  # what this node shows until its upload lands: its staged bytes
+        if retargeted is not None and not info.is_dir:  # what this node shows until its upload lands: its staged bytes
             moved = self.writes.staged.get(dst)
             renamed = staged_info(moved) if moved is not None else None
         else:
@@ -149,49 +149,56 @@ class Renamer:
             return []
         return self._rename_file(src, dst)
 
-    def _retarget(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None) -> bool:
-        """Write-back where a rename copies (object stores): a rename of new files whose uploads have not run (a
-        file, or a tree of nothing else: rsync's temporary file, Orbax's temporary checkpoint
-        directory) sends their uploads to the new names, in their place in the queue, instead
-        of uploading then copying every byte in the bucket. Their locks are held meanwhile (an
-        upload under way ends first: then it is in the bucket, and the rename copies it)."""
+    def _retarget(self, src: str, dst: str, info: ObjectInfo, target: ObjectInfo | None) -> list[Copied] | None:
+        """Write-back where a rename copies (object stores): the new files under ``src`` whose
+        uploads have not run (rsync's temporary file, Orbax's temporary checkpoint directory,
+        TensorStore's manifest written beside and renamed over the last one) send their uploads
+        to the new names, in their place in the queue, instead of being uploaded then copied in
+        the bucket; what of the tree is in the bucket already is moved as before. Answers the
+        copies made, or None where this does not apply (the caller renames as in the default
+        mode). The staged files are held meanwhile (in key order; an upload under way ends
+        first), a replaced target's too: the new bytes then replace what it left in the bucket."""
         if self.writes.write_back is None or self.remote.renames_in_place or info.link:
-            return False  # (a local disk renames what it holds in one rename(2))
+            return None  # (a local disk renames what it holds in one rename(2))
         if info.is_dir:
+            if target is not None and not target.is_dir:
+                return None
             pending = self.writes.staged_under(src)
-            if not pending or (target is not None and not target.is_dir):
-                return False
         else:
             one = self.writes.staged.get(src)
-            # Not over a file this node is writing or uploading (its upload decides what the new
-            # one replaces: the rename waits for it, as before).
-            if (one is None or (target is not None and (target.is_dir or target.link))
-                    or dst in self.writes.staged):
-                return False
+            if one is None or (target is not None and (target.is_dir or target.link)):
+                return None
             pending = [(src, one)]
-        if any(self.writes.is_marker(dst + key[len(src):]) for key, _ in pending):
-            return False  # a commit marker renamed into place (tmp + mv): after all closed before it
+        if not pending or any(self.writes.is_marker(dst + key[len(src):]) for key, _ in pending):
+            return None  # (a commit marker renamed into place: after all closed before it)
+        replaced = None if info.is_dir else self.writes.staged.get(dst)
+        held_files = sorted(pending + ([(dst, replaced)] if replaced is not None else []), key=lambda p: p[0])
         with contextlib.ExitStack() as held:
-            for _, staged in pending:
+            for _, staged in held_files:
                 held.enter_context(staged.lock)
-            if not all(self.writes.not_uploaded(staged) and staged.key == key for key, staged in pending):
-                return False
+            if any(staged.key != key for key, staged in held_files):
+                return None  # (moved meanwhile)
+            new = {key for key, staged in pending if self.writes.not_uploaded(staged)}
             if info.is_dir:
-                if self.remote.walk(src)[0]:
-                    return False  # (objects in the bucket under it: the rename copies them, as before)
+                if any(staged.dirty and key not in new for key, staged in pending):
+                    return None  # (new bytes of a file in the bucket: committed, then copied, as before)
                 if target is not None:
                     self.namespace.check_empty(dst)
                     self.remote.remove_dir(dst)
-                self.remote.rename_tree(src, dst)  # its directories only: nothing under it is in the bucket
-            else:
-                self.namespace.file_name_allowed(dst)
-                replaced = self.writes.staged.get(dst)
-                if replaced is not None:
-                    replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
-            self.writes.move(src, dst, retarget=True, keys={key for key, _ in pending})
-            if target is not None and not info.is_dir:  # its upload replaces what is there now
-                pending[0][1].rebase(target.version)
-        return True
+                copies = self._journaled(src, dst)  # what is in the bucket, and the directories
+                self.writes.move(src, dst, keys={key for key, _ in pending} - new)
+                self.writes.move(src, dst, retarget=True, keys=new)
+                return copies
+            if not new:
+                return None
+            self.namespace.file_name_allowed(dst)
+            base = target.version if target is not None else None
+            if replaced is not None:
+                replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
+                base = replaced.base_version  # what it left in the bucket (it rebased past its upload)
+            self.writes.move(src, dst, retarget=True, keys=new)
+            pending[0][1].rebase(base)  # its upload replaces exactly that
+        return []
 
     def _rename_file(self, src: str, dst: str) -> list[Copied]:
         staged = self.writes.staged.get(src)
