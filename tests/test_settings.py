@@ -52,6 +52,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
         "write_back": True, "write_back_uploads": 4, "write_back_delay": 0.5, "commit_markers": ["**/DONE"],
+        "write_back_hold": ["**/*.tmp/**"],
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
         # The read path's switches: a local remote has none of those paths, so they change nothing else.
@@ -83,8 +84,8 @@ def flag_args(values: dict[str, Any], names: list[str]) -> list[str]:
             continue
         if isinstance(value, bool):
             args.append(dashed(name) if value else "--no-" + dashed(name)[2:])
-        elif name in ("immutable", "commit_markers"):  # (GLOBS: the flag repeated)
-            flag = "--immutable" if name == "immutable" else "--commit-marker"
+        elif name in ("immutable", "commit_markers", "write_back_hold"):  # (GLOBS: the flag repeated)
+            flag = {"immutable": "--immutable", "commit_markers": "--commit-marker"}.get(name, "--write-back-hold")
             args += [a for glob in value for a in (flag, glob)]
         elif name == "storage_options":
             args += [a for k, v in value.items() for a in ("-o", f"{k}={json.dumps(v)}")]
@@ -112,7 +113,7 @@ def env_vars(values: dict[str, Any], names: list[str]) -> dict[str, str]:
         value = values[name]
         if isinstance(value, bool):
             out["MARINFS_" + name.upper()] = "true" if value else "false"
-        elif name in ("immutable", "commit_markers"):
+        elif name in ("immutable", "commit_markers", "write_back_hold"):
             out["MARINFS_" + name.upper()] = ",".join(value)
         elif name == "storage_options":
             out["MARINFS_STORAGE_OPTIONS"] = json.dumps(value)

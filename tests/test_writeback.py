@@ -396,6 +396,30 @@ def test_a_directory_partly_uploaded_moves_what_is_in_the_bucket_and_re_targets_
     assert not remote.fs.exists(remote.full("tmp-step/early"))
 
 
+def test_files_under_a_temporary_checkpoint_directory_wait_for_its_rename(remote: Remote, tmp_path: Path) -> None:
+    """--write-back-hold (Orbax's temporary directories by default): past the delay their uploads
+    still wait, while later files go; the rename sends them to their final names."""
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=0.0,
+                    write_back_hold=("**/*.orbax-checkpoint-tmp*/**",))
+    try:
+        fs.mkdir("/1.orbax-checkpoint-tmp")
+        write(fs, "/1.orbax-checkpoint-tmp/array", b"weights")
+        write(fs, "/other", b"goes")
+        deadline = time.monotonic() + 10
+        while stored(remote, "other") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stored(remote, "other") == b"goes"  # behind the held one, not stuck behind it
+        time.sleep(0.3)
+        assert fs.upload_status()["write_back"]["queued"] == 1  # still held
+        fs.rename("/1.orbax-checkpoint-tmp", "/1")
+        fs.sync("/")
+        assert stored(remote, "1/array") == b"weights" and remote.stats.count("copy") == 0
+    finally:
+        fs.close_all()
+
+
 def test_a_rename_of_a_file_already_uploaded_copies_it_after_the_uploads_before_it(
         wb: tuple[Filesystem, Gate], remote: Remote) -> None:
     fs, gate = wb

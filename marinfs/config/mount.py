@@ -190,6 +190,15 @@ class MountConfig:
         doc="seconds a closed file waits before its upload starts (`--write-back`; rclone's "
             "`--vfs-write-back`), so a file renamed meanwhile (a temporary checkpoint directory "
             "renamed into place) is sent once, to its final name; a barrier starts what it waits for at once")
+    # Temporary directories a writer renames into place when it is done (Orbax's checkpoints):
+    # their files' uploads wait for that rename (or a barrier), so nothing is copied in the bucket.
+    write_back_hold: tuple[str, ...] = setting(
+        ("**/*.orbax-checkpoint-tmp*/**",), kind=GLOBS, flag="--write-back-hold", routes=_NOT_FSTAB,
+        doc_default="Orbax's temporary checkpoint directories",
+        help="paths whose uploads wait for their rename or a barrier (repeatable; --write-back)",
+        doc="paths (repeatable; in a file a list) of temporary directories a writer renames into place "
+            "when done: with `--write-back` their files' uploads wait for that rename or a barrier, so "
+            "nothing of them is copied in the bucket")
     # Files others take as "everything before me is there": in write-back, committed at their
     # close after every file closed before them. Marin's executor and Hadoop/Spark markers.
     commit_markers: tuple[str, ...] = setting(

@@ -69,7 +69,8 @@ class Writes:
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
                  staging_dir: Path, max_file_size: int, write_back: bool = False, write_back_uploads: int = 16,
-                 write_back_delay: float = 0.0, commit_markers: Sequence[str] = ()) -> None:
+                 write_back_delay: float = 0.0, commit_markers: Sequence[str] = (),
+                 write_back_hold: Sequence[str] = ()) -> None:
         self.lock = lock
         self.remote = remote
         self.metadata = metadata
@@ -82,7 +83,9 @@ class Writes:
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._markers = [compile_glob(g) for g in commit_markers]
-        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay)
+        holds = [compile_glob(g) for g in write_back_hold]
+        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
+                                     hold=lambda key: any(glob.match(key) for glob in holds))
                            if write_back else None)
 
     # -- staged files ------------------------------------------------------------------------------
@@ -439,6 +442,8 @@ class Writes:
                 staged.rebase(None)
         if replaced is not None:
             replaced.mark_unlinked()
+        if retarget and self.write_back is not None:
+            self.write_back.changed()  # (held uploads may go now)
 
     # -- kept commits ---------------------------------------------------------------------------------
     def retry_failed_commits(self) -> list[Recovered]:

@@ -6,7 +6,9 @@ each once it has waited ``delay`` seconds (rclone's ``--vfs-write-back``: a file
 written again meanwhile, a temporary checkpoint directory renamed into place, is sent once, to
 its final name) or once a barrier asks for it, and run ``upload`` then ``done`` on each (a failed upload's bytes are kept by ``done``, as a
 failed close's are). A barrier taken after task N waits until every task numbered N or lower
-(or only those under a key prefix) is done. ``_tasks`` (queued and uploading tasks, by number) is guarded by ``_lock``, a
+(or only those under a key prefix) is done. A task whose key ``hold`` answers True (a file under
+a temporary checkpoint directory: it is about to be renamed) waits for a barrier or until its
+key no longer does (the rename re-targets it), while the tasks behind it go on. ``_tasks`` (queued and uploading tasks, by number) is guarded by ``_lock``, a
 leaf: nothing is called while it is held.
 """
 
@@ -38,9 +40,10 @@ class WriteBack:
     """The background upload queue of one mount."""
 
     def __init__(self, upload: Callable[[StagedFile], None], done: Callable[[StagedFile], None],
-                 workers: int = 16, delay: float = 0.0) -> None:
+                 workers: int = 16, delay: float = 0.0, hold: Callable[[str], bool] | None = None) -> None:
         self._upload, self._done = upload, done
         self.delay = delay
+        self._hold = hold or (lambda key: False)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._seq = itertools.count(1)
@@ -109,19 +112,13 @@ class WriteBack:
         while True:
             with self._lock:
                 while True:
-                    if self._queue:
-                        head = self._queue[0]
-                        wait = head.ready_at - time.monotonic()
-                        if self._stopping:
-                            return  # (unmount gave up waiting: what is left keeps its journal)
-                        if wait <= 0 or head.seq <= self._hurry:
-                            break
-                    elif self._stopping:
-                        return
-                    else:
-                        wait = None
+                    if self._stopping:
+                        return  # (unmount gave up waiting: what is left keeps its journal)
+                    task, wait = self._next_locked()
+                    if task is not None:
+                        break
                     self._changed.wait(wait)
-                task = self._queue.popleft()
+                self._queue.remove(task)
                 task.started = True
                 self._waiting.discard(id(task.staged))
             try:
@@ -137,6 +134,29 @@ class WriteBack:
                 del self._tasks[task.seq]
                 self.uploaded += 1
                 self._changed.notify_all()
+
+
+    def _next_locked(self) -> tuple[_Task | None, float | None]:
+        """The first task in closing order that may start now, else how long until one may (None:
+        until something changes). Held tasks are passed over; their rename or a barrier frees them."""
+        now, wait = time.monotonic(), None
+        for task in self._queue:
+            if task.seq <= self._hurry:
+                return task, None
+            if self._hold(task.staged.key):
+                continue
+            if task.ready_at <= now:
+                return task, None
+            wait = task.ready_at - now if wait is None else min(wait, task.ready_at - now)
+            break  # (the ones behind are ready no sooner)
+        if wait is None and self._queue:
+            wait = 1.0  # held ones only: look again now and then (a rename does not notify)
+        return None, wait
+
+    def changed(self) -> None:
+        """Something a held task waits for changed (a rename): look again."""
+        with self._lock:
+            self._changed.notify_all()
 
 
 def _covers(under: str | None, key: str) -> bool:
