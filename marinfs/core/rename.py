@@ -169,8 +169,8 @@ class Renamer:
             if one is None or (target is not None and (target.is_dir or target.link)):
                 return None
             pending = [(src, one)]
-        if not pending or any(self.writes.is_marker(dst + key[len(src):]) for key, _ in pending):
-            return None  # (a commit marker renamed into place: after all closed before it)
+        if not pending:
+            return None
         replaced = None if info.is_dir else self.writes.staged.get(dst)
         held_files = sorted(pending + ([(dst, replaced)] if replaced is not None else []), key=lambda p: p[0])
         with contextlib.ExitStack() as held:
@@ -188,6 +188,7 @@ class Renamer:
                 copies = self._journaled(src, dst)  # what is in the bucket, and the directories
                 self.writes.move(src, dst, keys={key for key, _ in pending} - new)
                 self.writes.move(src, dst, retarget=True, keys=new)
+                self._markers_last([staged for key, staged in pending if key in new])
                 return copies
             if not new:
                 return None
@@ -198,7 +199,17 @@ class Renamer:
                 base = replaced.base_version  # what it left in the bucket (it rebased past its upload)
             self.writes.move(src, dst, retarget=True, keys=new)
             pending[0][1].rebase(base)  # its upload replaces exactly that
+            self._markers_last([pending[0][1]])
         return []
+
+    def _markers_last(self, moved: list[StagedFile]) -> None:
+        """A commit marker renamed into place (``_SUCCESS.tmp`` to ``_SUCCESS``, Orbax's
+        temporary directory with its commit_success.txt): its upload waits for every upload
+        queued before it, as its close would have."""
+        assert self.writes.write_back is not None
+        for staged in moved:
+            if self.writes.is_marker(staged.key) and not self.writes.is_held(staged.key):
+                self.writes.write_back.mark_last(staged)
 
     def _rename_file(self, src: str, dst: str) -> list[Copied]:
         staged = self.writes.staged.get(src)

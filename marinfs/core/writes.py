@@ -83,9 +83,9 @@ class Writes:
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._markers = [compile_glob(g) for g in commit_markers]
-        holds = [compile_glob(g) for g in write_back_hold]
+        self._holds = [compile_glob(g) for g in write_back_hold]
         self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
-                                     hold=lambda key: any(glob.match(key) for glob in holds))
+                                     hold=self.is_held)
                            if write_back else None)
 
     # -- staged files ------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ class Writes:
         closed before it), or queue the upload (write-back) once the bytes are staged."""
         if self.write_back is None:
             self.commit(staged)
-        elif self.is_marker(staged.key):
+        elif self.is_marker(staged.key) and not self.is_held(staged.key):
             self.write_back.barrier()
             self.commit(staged)
         elif self._uploadable(staged):
@@ -243,6 +243,11 @@ class Writes:
     def is_marker(self, key: str) -> bool:
         """A file others take as a commit point (``--commit-marker``)."""
         return any(glob.match(key) for glob in self._markers)
+
+    def is_held(self, key: str) -> bool:
+        """Under a temporary directory whose uploads wait for its rename (``--write-back-hold``):
+        a marker there is no commit point yet (Orbax's commit_success.txt), the rename is."""
+        return any(glob.match(key) for glob in self._holds)
 
     def barrier(self, tree: str | None = None) -> None:
         """Write-back: wait until every file closed so far (in ``tree``, or all) is uploaded

@@ -34,6 +34,7 @@ class _Task:
     staged: StagedFile
     ready_at: float
     started: bool = False
+    last: bool = False  # a commit marker: starts once every task before it is done
 
 
 class WriteBack:
@@ -141,6 +142,8 @@ class WriteBack:
         until something changes). Held tasks are passed over; their rename or a barrier frees them."""
         now, wait = time.monotonic(), None
         for task in self._queue:
+            if task.last and any(n < task.seq for n in self._tasks):
+                continue  # (a marker: after everything closed before it)
             if task.seq <= self._hurry:
                 return task, None
             if self._hold(task.staged.key):
@@ -152,6 +155,17 @@ class WriteBack:
         if wait is None and self._queue:
             wait = 1.0  # held ones only: look again now and then (a rename does not notify)
         return None, wait
+
+    def mark_last(self, staged: StagedFile) -> bool:
+        """``staged``'s queued upload is a commit marker's (renamed into place): it starts only
+        once every upload queued before it is done. False if it has none queued."""
+        with self._lock:
+            for task in self._queue:
+                if task.staged is staged:
+                    task.last = True
+                    self._changed.notify_all()
+                    return True
+        return False
 
     def changed(self) -> None:
         """Something a held task waits for changed (a rename): look again."""
