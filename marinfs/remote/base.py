@@ -21,7 +21,6 @@ import random
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
@@ -34,6 +33,7 @@ from marinfs.errors import is_final as errors_is_final
 from marinfs.objects import ABSENT, Copied, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote.parts import PartSession, PartStream
 from marinfs.remote.settings import RemoteSettings
+from marinfs.remote.stats import RequestStats
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -72,48 +72,6 @@ def _reachable(name: str) -> bool:
     ``a/../b`` or components over NAME_MAX bytes: listing them would show entries that every
     lookup then fails (or that mean something else), so they are left out."""
     return name not in (".", "..") and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
-
-
-class RequestStats:
-    """Counts remote requests by kind (list, head, get, put, part, copy, delete; patch: a GCS
-    metadata PATCH; setattr: local metadata syscalls), failures and bytes moved; thread-safe,
-    resettable by tests."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
-        self.bytes_in = 0
-        self.bytes_out = 0
-
-        self.errors: Counter[str] = Counter()
-
-    def add(self, kind: str) -> None:
-        with self._lock:
-            self.counts[kind] += 1
-
-    def add_error(self, kind: str) -> None:
-        with self._lock:
-            self.errors[kind] += 1
-
-    def add_bytes(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
-        with self._lock:
-            self.bytes_in += bytes_in
-            self.bytes_out += bytes_out
-
-    def count(self, kind: str) -> int:
-        with self._lock:
-            return self.counts[kind]
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"requests": dict(self.counts), "errors": dict(self.errors),
-                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.counts.clear()
-            self.errors.clear()
-            self.bytes_in = self.bytes_out = 0
 
 
 def _mtime_ns(info: dict[str, Any]) -> int:
