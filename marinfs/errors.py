@@ -52,7 +52,20 @@ class FsError(OSError):
 FINAL_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EACCES, errno.EPERM})
 # Of those, what someone may cure outside marinfs (credentials, a bucket policy): a final commit
 # that failed so is tried once more when the next daemon starts; a bad name never is.
-CURABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+# An upload its writer interrupted (EINTR: a signal during close) is kept too, not retried in a
+# loop (a 1 TiB sparse file would be sent again every interval), and tried once at the next start.
+CURABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EINTR})
+
+
+def interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is its caller giving up: EINTR."""
+    for _ in range(5):
+        if exc is None:
+            return False
+        if isinstance(exc, InterruptedError) or (isinstance(exc, OSError) and exc.errno == errno.EINTR):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def final_errno(exc: BaseException) -> int | None:

@@ -212,3 +212,28 @@ def test_a_file_whose_background_upload_failed_can_be_removed_and_stays_removed(
         assert removed and stored(remote, "f") is None, (removed, names(remote))
     finally:
         fs.close_all()
+
+
+def test_a_commit_its_writer_interrupted_is_kept_not_retried_in_a_loop(remote: Remote, tmp_path: Path) -> None:
+    """Issue 37, item 1: once the writer gave up (EINTR), the daemon stops sending, also at the
+    next retry interval; the bytes are kept and tried once more at the next start."""
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    sent: list[str] = []
+    upload = remote.upload
+
+    def interrupted_upload(local: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(key)
+        raise InterruptedError(errno.EINTR, "the caller gave up")
+
+    remote.upload = interrupted_upload  # type: ignore[method-assign]
+    fh = fs.create("/sparse", CREAT).fh
+    fs.write(fh, b"bytes", 0)
+    with pytest.raises(OSError, check=lambda e: e.errno == errno.EINTR):
+        fs.flush(fh)
+    fs.release(fh)
+    assert sent == ["sparse"] and [f["retry"] for f in fs.upload_status()["failed"]] == ["at the next start"]
+    assert fs.retry_failed_commits() == [] and sent == ["sparse"]  # the retry loop sends nothing
+    remote.upload = upload  # type: ignore[method-assign]
+    later = Filesystem(remote, staging_dir=tmp_path / "staging")  # the next start tries it once
+    later.recover_staged(at_start=True)
+    assert bytes(remote.fs.cat_file(remote.full("sparse"))) == b"bytes"

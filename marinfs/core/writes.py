@@ -31,7 +31,7 @@ from marinfs.write.commit import RETRY_NEXT_START, FailedCommit, commit_or_confl
 from marinfs.core.handles import Handle
 from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
-from marinfs.errors import FsError, final_errno
+from marinfs.errors import FsError, final_errno, interrupted
 from marinfs.meta.metadata import MetadataCache, compile_glob
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.write.recovery import Recovered, recover
@@ -149,6 +149,8 @@ class Writes:
         if staged.kept:
             error = staged.last_error
             code = final_errno(error) if error is not None else None
+            if code is None and interrupted(error):  # its writer gave up: not retried in a loop
+                code = errno.EINTR
             entry = FailedCommit(staged.key, staged.path, describe(error) if error else "",
                                  error is not None and is_permanent(error), attempts=max(1, staged.failures),
                                  since=time.time(), retry=retry_of(code))
@@ -518,7 +520,10 @@ def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:
     that retrying will not cure; later attempts: WARNING if it may pass, else quietly. A
     final failure is reported once by the daemon that met it (and once more by a daemon
     that finds it kept, at its start) and never again: it is not retried in a loop."""
-    if entry.final and not (prev is not None and prev.final):
+    if entry.final and not (prev is not None and prev.final) and entry.error.startswith("Interrupted"):
+        log.warning("the commit of %s was interrupted by its writer; its bytes are kept in %s and tried once "
+                    "more at the next start (delete that file and its journal to drop them)", entry.key, entry.staged)
+    elif entry.final and not (prev is not None and prev.final):
         when = ("it is tried once more at the next start (fix the credentials or the bucket's policy, "
                 "then remount)" if entry.retry == RETRY_NEXT_START else "it is never tried again")
         log.error("cannot commit %s: %s; no retry can change this, so %s; its bytes are kept in %s",
