@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import tiers
+from test_writeback import stored, write
 
 from marinfs.core import Filesystem
 from marinfs.remote import Remote
@@ -35,20 +36,6 @@ def remote() -> Any:
         r.fs.rm(r.root, recursive=True)
     except Exception:
         pass
-
-
-def write(fs: Filesystem, path: str, data: bytes) -> None:
-    fh = fs.create(path, CREAT).fh
-    fs.write(fh, data, 0)
-    fs.flush(fh)
-    fs.release(fh)
-
-
-def stored(remote: Remote, key: str) -> bytes | None:
-    try:
-        return bytes(remote.fs.cat_file(remote.full(key)))
-    except FileNotFoundError:
-        return None
 
 
 def names(remote: Remote) -> list[str]:
