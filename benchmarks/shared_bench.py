@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -39,9 +40,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+# The daemons import this checkout (as bench.py's do), not whatever the venv installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 import servers  # noqa: E402  (tests/servers.py)
 from mounting import fsspec_client, subprocess_mount  # noqa: E402
+from peers_bench import cpu_seconds  # noqa: E402
 from marinfs.config.mount import parse_size  # noqa: E402
 
 MiB = 1 << 20
@@ -114,6 +118,7 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
     try:
         drop_caches()
         before = [metrics(node["port"]) for node in mounts.nodes]
+        cpu0 = [cpu_seconds(node["pid"]) for node in mounts.nodes]
         times: list[float] = [0.0] * n
         if together:
             barrier = threading.Barrier(n)
@@ -132,11 +137,12 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
                 times[i] = read_file(node["mnt"] / obj)
                 time.sleep(1.0)  # the last chunks' publishing, in the background
         after = [metrics(node["port"]) for node in mounts.nodes]
+        cpu = [cpu_seconds(node["pid"]) - c for node, c in zip(mounts.nodes, cpu0)]
         per = [{k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in range(n)]
         rss = [peak_rss(node["pid"]) for node in mounts.nodes]
     finally:
         mounts.close()
-    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss}
+    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss, "cpu": cpu}
 
 
 def direct_read(shared: Path) -> float:
@@ -156,6 +162,7 @@ def main() -> None:
     ap.add_argument("--size", default="1G")
     ap.add_argument("--mounts", type=int, default=4)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reps", type=int, default=1, help="run every case this many times (medians printed)")
     args = ap.parse_args()
     size = parse_size(args.size)
     n = args.mounts
@@ -172,30 +179,40 @@ def main() -> None:
                 f.write(block)
                 left -= len(block)
         shared = base / "shared"
-        cases = [case(server, url, base, "alone", 1, None, False, "model.bin"),
-                 case(server, url, base, "alone-tier", 1, shared, False, "model.bin"),
-                 case(server, url, base, "together", n, shared, True, "model.bin"),
-                 case(server, url, base, "in-turn", n, shared, False, "model.bin")]
-        results["cases"] = cases
-        results["direct_shared_seconds"] = direct_read(shared)
+        runs = []
+        for _ in range(args.reps):
+            runs.append([case(server, url, base, "alone", 1, None, False, "model.bin"),
+                         case(server, url, base, "alone-tier", 1, shared, False, "model.bin"),
+                         case(server, url, base, "together", n, shared, True, "model.bin"),
+                         case(server, url, base, "in-turn", n, shared, False, "model.bin")])
+            runs[-1].append(direct_read(shared))
+        results["runs"] = runs
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
-    alone = results["cases"][0]["seconds"][0]
     gib = size / (1 << 30)
-    print(f"object {size / MiB:.0f} MiB, {n} mounts; one mount alone {alone:.2f} s "
-          f"({size / MiB / alone:.0f} MiB/s)")
-    for c in results["cases"]:
-        bucket = [m["chunk_bucket"] / MiB for m in c["moved"]]
-        remote = [m["remote_in"] / MiB for m in c["moved"]]
-        print(f"{c['case']:>10}: seconds {[round(s, 2) for s in c['seconds']]}, slowest / alone "
-              f"{max(c['seconds']) / alone:.2f}; bucket MiB per mount {[round(b, 1) for b in bucket]} "
-              f"(all GETs {[round(r, 1) for r in remote]}), in all {sum(remote) / 1024:.3f} GiB "
-              f"for {gib:.3f} GiB; peak RSS MiB {[round(r / MiB) for r in c['peak_rss']]}")
-    turn = results["cases"][3]["seconds"][1:]
-    direct = results["direct_shared_seconds"]
-    print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
-          f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
+    ratios: dict[str, list[float]] = {"together / alone": [], "in turn 2..N / direct": []}
+    for rep, run in enumerate(results["runs"]):
+        *cases, direct = run
+        alone = cases[0]["seconds"][0]
+        print(f"rep {rep + 1}: object {size / MiB:.0f} MiB, {n} mounts; one mount alone {alone:.2f} s "
+              f"({size / MiB / alone:.0f} MiB/s)")
+        for c in cases:
+            bucket = [m["chunk_bucket"] / MiB for m in c["moved"]]
+            remote = [m["remote_in"] / MiB for m in c["moved"]]
+            print(f"{c['case']:>10}: seconds {[round(s, 2) for s in c['seconds']]}, slowest / alone "
+                  f"{max(c['seconds']) / alone:.2f}; bucket MiB per mount {[round(b, 1) for b in bucket]} "
+                  f"(all GETs {[round(r, 1) for r in remote]}), in all {sum(remote) / 1024:.3f} GiB "
+                  f"for {gib:.3f} GiB; daemon CPU-s/GiB {[round(c_ / gib, 2) for c_ in c['cpu']]}; "
+                  f"peak RSS MiB {[round(r / MiB) for r in c['peak_rss']]}")
+        turn = cases[3]["seconds"][1:]
+        print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
+              f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
+        ratios["together / alone"].append(max(cases[2]["seconds"]) / alone)
+        ratios["in turn 2..N / direct"].append(min(direct / s for s in turn))
+    if args.reps > 1:
+        for k, v in ratios.items():
+            print(f"median {k}: {statistics.median(v):.2f} (runs: {[round(x, 2) for x in v]})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
