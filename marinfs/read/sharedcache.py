@@ -35,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import socket
@@ -57,6 +59,7 @@ from typing import Any
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef
+from marinfs.read.chunkio import ALIGN, HAS_CRC32C, DirectIO, aligned_address, write_all
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -195,6 +198,10 @@ class SharedTier:
         # Unique per daemon (a PID alone is reused, and every node has a PID 1 in a pod).
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
+        # O_DIRECT where the directory's filesystem takes it (its flags only go from True to
+        # False), and each I/O thread's aligned scratch (_scratch).
+        self._direct = DirectIO(self.root / "chunks")
+        self._local = threading.local()
         self._down = _State()  # the whole tier skipped (slow, gone, failing reads)
         self._no_writes = _State()  # read-only, full, refused: served from, not published to
         self.counts = {"hits": 0, "misses": 0, "hit_bytes": 0, "published": 0, "published_bytes": 0,
@@ -337,7 +344,7 @@ class SharedTier:
         of the wrong size or checksum is removed (it is fetched and published again)."""
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._direct.open_for_read(path)
         except (FileNotFoundError, NotADirectoryError):
             if not (self.root / "chunks").is_dir():
                 raise FileNotFoundError(errno.ENOENT, "the shared directory is gone", str(self.root)) from None
@@ -345,13 +352,10 @@ class SharedTier:
         try:
             st = os.fstat(fd)
             size = len(buf)
-            tail = bytearray(TRAILER.size)
             try:
                 if st.st_size != size + TRAILER.size:
                     raise _Corrupt(f"{st.st_size} bytes, not {size + TRAILER.size}")
-                got = os.preadv(fd, [buf, tail], 0)
-                if got != size + TRAILER.size:
-                    raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+                tail = self._read_into(fd, buf)
                 magic, length, crc, kind = TRAILER.unpack(tail)
                 if magic != MAGIC or length != size:
                     raise _Corrupt("no trailer")
@@ -373,6 +377,47 @@ class SharedTier:
             return True
         finally:
             os.close(fd)
+
+    def _read_into(self, fd: int, buf: memoryview) -> bytes:
+        """Read the chunk file open at ``fd`` (``len(buf)`` bytes, then the trailer) with one
+        ``preadv``: the bytes straight into ``buf``, the trailer answered. With ``O_DIRECT`` (the
+        descriptor has it where the filesystem takes it) the block-aligned bulk lands in ``buf``
+        (a pooled, page-aligned buffer) from the disk or the server with no copy in the page
+        cache, and the last partial block with the trailer in this thread's aligned scratch."""
+        size = len(buf)
+        direct = bool(os.O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        if direct and aligned_address(buf) is not None:
+            bulk = size - size % ALIGN
+            scratch = self._scratch()
+            try:
+                got = os.preadv(fd, [buf[:bulk], scratch] if bulk else [scratch], 0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct.read_direct = False  # this filesystem refuses our O_DIRECT reads
+                log.info("shared cache tier %s: no O_DIRECT reads (%s); buffered", self.root, exc)
+            else:
+                if got != size + TRAILER.size:
+                    raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+                rest = size - bulk
+                if rest:
+                    buf[bulk:] = scratch[:rest]
+                return bytes(scratch[rest:rest + TRAILER.size])
+        if direct:  # an unaligned buffer (no pool): the same file read through the page cache
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        tail = bytearray(TRAILER.size)
+        got = os.preadv(fd, [buf, tail], 0)
+        if got != size + TRAILER.size:
+            raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+        return bytes(tail)
+
+    def _scratch(self) -> memoryview:
+        """This thread's page-aligned two pages: a chunk's last partial block and its trailer
+        (less than a block of data and 24 bytes) under O_DIRECT."""
+        view = getattr(self._local, "scratch", None)
+        if view is None:
+            view = self._local.scratch = memoryview(mmap.mmap(-1, 2 * ALIGN))
+        return view
 
     def publish(self, name: str, data: Any, leased: bool = False) -> None:
         """Write chunk ``name`` into the tier in the background (then let its lease go, so the
@@ -421,21 +466,23 @@ class SharedTier:
                 self._call(self._release, name)
 
     def _write_chunk(self, name: str, data: Any) -> bool:
-        kind, crc = checksum(data)
+        """Write chunk ``name`` under a temporary name and rename it into place. The bulk goes
+        with ``O_DIRECT`` from the buffer it was fetched into (chunkio's ``DirectIO``, the disk
+        cache's writer: buffered where the filesystem refuses it, and for any other buffer):
+        no copy into the page cache, no dirty pages for writeback to throttle the next fetch
+        on. Not synced: a chunk a crash left short or wrong fails its size or checksum check
+        and is fetched again."""
         size = len(data)
         final = self._path(name)
         final.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = self.root / "tmp" / f"{name}.{self.holder.replace(':', '_').replace('/', '_')}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            views = [memoryview(data).cast("B"), memoryview(TRAILER.pack(MAGIC, size, crc, kind))]
-            while views:
-                n = os.writev(fd, views)
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if views and n:
-                    views[0] = views[0][n:]
+            c = HAS_CRC32C and crc32c_extend is not None
+            # Only from a page-aligned buffer: any other would be copied into an aligned one first.
+            direct = self._direct.write_direct and aligned_address(memoryview(data).cast("B")) is not None
+            crc = self._direct.write(fd, data, c, direct=direct)
+            write_all(fd, memoryview(TRAILER.pack(MAGIC, size, crc, CRC32C if c else CRC32)), size)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
