@@ -391,6 +391,69 @@ def test_pooled_buffers_are_checksummed_in_place(shared: Path) -> None:
     assert source == "shared" and bytes(data) == content(obj, 0, CHUNK)
 
 
+@pytest.mark.parametrize("size", [CHUNK, CHUNK - 1000, 100, 4096 - 24, 4096 - 23])
+@pytest.mark.parametrize("writer_direct,reader_direct", [(True, True), (True, False), (False, True)])
+def test_pooled_chunks_go_with_o_direct_and_read_the_same_either_way(
+        shared: Path, size: int, writer_direct: bool, reader_direct: bool) -> None:
+    """A chunk fetched into a pooled (page-aligned) buffer is written with O_DIRECT and read
+    back with O_DIRECT into one: its last partial block and trailer through the thread's
+    aligned scratch. The file is the same as a buffered one: a node whose filesystem refused
+    O_DIRECT (here: told so) reads and writes the same chunks."""
+    from marinfs.read.buffers import BufferPool
+
+    pool = BufferPool(CHUNK, 4 * CHUNK)
+    obj = obj_of(size=size)
+    a, b = node(shared), node(shared)
+    a._direct.write_direct = writer_direct
+    b._direct.read_direct = reader_direct
+    writes = []
+    real = a._direct.write
+    a._direct.write = lambda fd, data, c, direct, offset=0: writes.append(direct) or real(fd, data, c, direct, offset)
+
+    def fetch() -> memoryview:
+        buf = pool.take(size)
+        buf[:] = content(obj, 0, size)
+        return buf
+
+    a.get(obj, 0, size, fetch, pool.take)
+    a.settle()
+    assert writes == [writer_direct]
+    (path,) = (shared / "chunks").glob("*/*")
+    assert path.stat().st_size == size + TRAILER.size
+    data, source = b.get(obj, 0, size, fetch, pool.take)
+    assert source == "shared" and bytes(data) == content(obj, 0, size)
+    assert b._direct.read_direct == reader_direct  # (this disk took O_DIRECT: no fallback met)
+    data, source = b.get(obj, 0, size, fetch, take)  # an unaligned buffer: read through the page cache
+    assert source == "shared" and bytes(data) == content(obj, 0, size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "flip-tail", "truncate", "trailer"])
+def test_a_damaged_chunk_read_with_o_direct_is_detected(shared: Path, damage: str) -> None:
+    from marinfs.read.buffers import BufferPool
+
+    pool = BufferPool(CHUNK, 4 * CHUNK)
+    bucket = Bucket()
+    size = CHUNK - 1000
+    a, b = node(shared), node(shared)
+    obj = obj_of(size=size)
+    get(a, bucket, obj)
+    a.settle()
+    (path,) = (shared / "chunks").glob("*/*")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[100] ^= 0x40
+    elif damage == "flip-tail":
+        raw[size - 1] ^= 0x40  # in the last partial block, read through the scratch
+    elif damage == "truncate":
+        raw = raw[:CHUNK // 2]
+    else:
+        raw[-TRAILER.size] ^= 1
+    path.write_bytes(raw)
+    data, source = b.get(obj, 0, size, bucket.fetcher(obj, 0, size), pool.take)
+    assert source == "bucket" and bytes(data) == content(obj, 0, size)
+    assert b.snapshot()["corrupt"] == 1 and bucket.gets == 2
+
+
 # -- wired into the read path (reader.ChunkFetcher), each "node" with its own disk cache ---------
 
 class CountingRemote:
