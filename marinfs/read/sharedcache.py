@@ -139,6 +139,26 @@ class _Corrupt(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Sound:
+    """A chunk read from the tier whole and checked: its CRC-32C (None where it carries zlib's
+    CRC-32), which the disk cache then keeps without a pass of its own over the bytes."""
+
+    crc32c: int | None
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def crc32c_of(data: Any) -> int | None:
+    """``data``'s CRC-32C, the checksum chunks are published with; None without google-crc32c's C
+    library (then each writer takes zlib's CRC-32 itself)."""
+    if not HAS_CRC32C:
+        return None
+    kind, crc = checksum(data)
+    return crc if kind == CRC32C else None
+
+
 class _DaemonPool:
     """Worker threads that never hold up the interpreter's exit: a thread hung in a call to a
     dead NFS server stays hung, and ThreadPoolExecutor joins its threads at exit."""
@@ -228,53 +248,66 @@ class SharedTier:
         from ``fetch()`` (the bucket) and published for the other nodes; nodes missing it
         together send one fetch between them. Answers (data, "shared" or "bucket"). Never raises
         for the tier's sake: only ``fetch``'s own errors come out."""
+        data, source, _ = self.get_checked(obj, start, end, fetch, take)
+        return data, source
+
+    def get_checked(self, obj: ObjectRef, start: int, end: int, fetch: Callable[[], Any],
+                    take: Callable[[int], memoryview]) -> tuple[Any, str, int | None]:
+        """``get``, and the chunk's CRC-32C where it was taken on the way (checked as it was
+        read from the tier, or taken to publish it): the disk cache keeps it without taking it
+        again. None where it was not (or the tier uses zlib's CRC-32)."""
         size = end - start
         if size <= 0 or not shareable(obj) or not self.usable():
-            return fetch(), "bucket"
+            return fetch(), "bucket", None
         name = chunk_name(obj, start, size)
-        data = self._lookup(name, size, take)
-        if data is not None:
-            return data, "shared"
+        found = self._lookup(name, size, take)
+        if found is not None:
+            return found[0], "shared", found[1]
         if not self.writable():
-            return fetch(), "bucket"
+            return fetch(), "bucket", None
         deadline = self.monotonic() + self.lease_ttl
         delay = 0.002
         first = True
         while True:
             mine = self._call(self._take_lease, name)
             if mine is None:  # the tier failed us just now: the bucket
-                return fetch(), "bucket"
+                return fetch(), "bucket", None
             if mine:
                 # Another node may have published it and let its lease go since our last look.
-                data = self._lookup(name, size, take, count=False)
-                if data is not None:
+                found = self._lookup(name, size, take, count=False)
+                if found is not None:
                     self._call(self._release, name)
-                    return data, "shared"
-                return self._fetch_and_publish(name, fetch, leased=True), "bucket"
+                    return found[0], "shared", found[1]
+                data, crc = self._fetch_and_publish(name, fetch, leased=True)
+                return data, "bucket", crc
             if first:
                 first = False
                 self._count("lease_waits")
             if self.monotonic() >= deadline:
                 self._count("lease_timeouts")
                 log.info("shared chunk %s: lease still held after %.1f s; fetching it here", name, self.lease_ttl)
-                return self._fetch_and_publish(name, fetch, leased=False), "bucket"
+                data, crc = self._fetch_and_publish(name, fetch, leased=False)
+                return data, "bucket", crc
             self.sleep(delay)
             delay = min(delay * 2, 0.02)
-            data = self._lookup(name, size, take, count=False)
-            if data is not None:
-                return data, "shared"
+            found = self._lookup(name, size, take, count=False)
+            if found is not None:
+                return found[0], "shared", found[1]
             if not self.usable():
-                return fetch(), "bucket"
+                return fetch(), "bucket", None
 
-    def _fetch_and_publish(self, name: str, fetch: Callable[[], Any], leased: bool) -> Any:
+    def _fetch_and_publish(self, name: str, fetch: Callable[[], Any], leased: bool) -> tuple[Any, int | None]:
         try:
             data = fetch()
         except BaseException:
             if leased:
                 self._call(self._release, name)
             raise
-        self.publish(name, data, leased=leased)
-        return data
+        # Taken here once for both copies, the tier's and the disk cache's (a pass over 8 MiB:
+        # about a millisecond), where each writer took its own before.
+        crc = crc32c_of(data) if self.writable() else None
+        self.publish(name, data, leased=leased, crc32c=crc)
+        return data, crc
 
     # -- state -------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -328,20 +361,23 @@ class SharedTier:
     def _path(self, name: str) -> Path:
         return self.root / "chunks" / name[:2] / name
 
-    def _lookup(self, name: str, size: int, take: Callable[[int], memoryview], count: bool = True) -> Any:
+    def _lookup(self, name: str, size: int, take: Callable[[int], memoryview],
+                count: bool = True) -> tuple[Any, int | None] | None:
+        """(the chunk in a buffer from ``take``, its CRC-32C if it carries one) or None."""
         buf = take(size)
         got = self._call(self._read_chunk, name, buf)
         if got:
             self._count("hits")
             self._count("hit_bytes", size)
-            return buf
+            return buf, getattr(got, "crc32c", None)
         if count and got is not None:
             self._count("misses")
         return None
 
-    def _read_chunk(self, name: str, buf: memoryview) -> bool:
-        """Fill ``buf`` with chunk ``name``; False if the tier has no sound copy of it. A copy
-        of the wrong size or checksum is removed (it is fetched and published again)."""
+    def _read_chunk(self, name: str, buf: memoryview) -> Sound | bool:
+        """Fill ``buf`` with chunk ``name``: a ``Sound`` if it was there whole and checked, False
+        if the tier has no sound copy of it. A copy of the wrong size or checksum is removed (it
+        is fetched and published again)."""
         path = self._path(name)
         try:
             fd = self._direct.open_for_read(path)
@@ -374,7 +410,7 @@ class SharedTier:
             if self.clock() - st.st_mtime > TOUCH_EVERY:  # keep it from eviction: used lately
                 with contextlib.suppress(OSError):
                     os.utime(fd)
-            return True
+            return Sound(crc if kind == CRC32C else None)
         finally:
             os.close(fd)
 
@@ -419,12 +455,13 @@ class SharedTier:
             view = self._local.scratch = memoryview(mmap.mmap(-1, 2 * ALIGN))
         return view
 
-    def publish(self, name: str, data: Any, leased: bool = False) -> None:
+    def publish(self, name: str, data: Any, leased: bool = False, crc32c: int | None = None) -> None:
         """Write chunk ``name`` into the tier in the background (then let its lease go, so the
         nodes waiting for it find it). When ``max_publishing`` chunks wait already, the caller
         (a fetch) waits for a slot, ``io_timeout`` at most: a node fetches no faster than the
         shared directory takes what it fetched (skipping would send every other node to the
-        bucket for it). Past that, skipped, and the lease let go."""
+        bucket for it). Past that, skipped, and the lease let go. ``crc32c``: the chunk's, if
+        the caller took it already."""
         busy = not self.writable()
         if not busy:
             with self._slot_freed:
@@ -438,7 +475,7 @@ class SharedTier:
                 self._call(self._release, name)
             return
         try:
-            self._publisher.submit(self._publish, name, data, leased)
+            self._publisher.submit(self._publish, name, data, leased, crc32c)
         except RuntimeError:  # shut down
             with self._lock:
                 self._publishing -= 1
@@ -446,12 +483,12 @@ class SharedTier:
             if leased:
                 self._call(self._release, name)
 
-    def _publish(self, name: str, data: Any, leased: bool) -> None:
+    def _publish(self, name: str, data: Any, leased: bool, crc32c: int | None = None) -> None:
         size = len(data) + TRAILER.size
         room = False
         try:
             room = self._make_room(size)
-            if room and self._call(self._write_chunk, name, data):
+            if room and self._call(self._write_chunk, name, data, crc32c):
                 self._count("published")
                 self._count("published_bytes", len(data))
         except OSError as exc:  # the scan, here (it may take long on a big tier: no timeout)
@@ -465,7 +502,7 @@ class SharedTier:
             if leased:
                 self._call(self._release, name)
 
-    def _write_chunk(self, name: str, data: Any) -> bool:
+    def _write_chunk(self, name: str, data: Any, crc32c: int | None = None) -> bool:
         """Write chunk ``name`` under a temporary name and rename it into place. The bulk goes
         with ``O_DIRECT`` from the buffer it was fetched into (chunkio's ``DirectIO``, the disk
         cache's writer: buffered where the filesystem refuses it, and for any other buffer):
@@ -481,7 +518,7 @@ class SharedTier:
             c = HAS_CRC32C and crc32c_extend is not None
             # Only from a page-aligned buffer: any other would be copied into an aligned one first.
             direct = self._direct.write_direct and aligned_address(memoryview(data).cast("B")) is not None
-            crc = self._direct.write(fd, data, c, direct=direct)
+            crc = self._direct.write(fd, data, c, direct=direct, crc=crc32c if c else None)
             write_all(fd, memoryview(TRAILER.pack(MAGIC, size, crc, CRC32C if c else CRC32)), size)
         except BaseException:
             os.close(fd)
