@@ -11,7 +11,10 @@ measures, each case with fresh mounts, empty caches and the page cache dropped:
   d. the same N mounts one after another (tier emptied first): bucket bytes per mount, and
      mounts 2..N's speed against reading the shared directory's chunk files directly (``cat``,
      page cache dropped)
-  e. each daemon's peak RSS (VmHWM)
+  e. each daemon's peak RSS (VmHWM) and CPU (utime + stime over its read), and the tier's lease
+     waits, lease timeouts and skipped publishes when there were any
+  f. this disk's floor for (c) and (d) without marinfs: here every cache and the shared
+     directory are one disk, so a mount reading the tier also writes its own cache there
 
 Bucket bytes are each daemon's ``marinfs_chunk_bytes{source="bucket"}`` (its metrics), plus
 ``bytes_in`` of its remote (every GET). Needs root (drop_caches) and fuse3:
@@ -27,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -39,9 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+# The daemons import this checkout (as bench.py's do), not whatever the venv installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 import servers  # noqa: E402  (tests/servers.py)
 from mounting import fsspec_client, subprocess_mount  # noqa: E402
+from peers_bench import cpu_seconds  # noqa: E402
 from marinfs.config.mount import parse_size  # noqa: E402
 
 MiB = 1 << 20
@@ -64,6 +71,8 @@ def metrics(port: int) -> dict[str, float]:
            for m in re.finditer(r'^marinfs_chunk_bytes(?:_total)?\{source="(\w+)"\} (\S+)$', text, re.M)}
     m = re.search(r'^marinfs_remote_bytes(?:_total)?\{direction="in"\} (\S+)$', text, re.M)
     out["remote_in"] = float(m.group(1)) if m else 0.0
+    for m in re.finditer(r'^marinfs_shared_(\w+?)(?:_total)? (\S+)$', text, re.M):
+        out[f"shared_{m.group(1)}"] = float(m.group(2))
     return out
 
 
@@ -114,6 +123,7 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
     try:
         drop_caches()
         before = [metrics(node["port"]) for node in mounts.nodes]
+        cpu0 = [cpu_seconds(node["pid"]) for node in mounts.nodes]
         times: list[float] = [0.0] * n
         if together:
             barrier = threading.Barrier(n)
@@ -132,16 +142,18 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
                 times[i] = read_file(node["mnt"] / obj)
                 time.sleep(1.0)  # the last chunks' publishing, in the background
         after = [metrics(node["port"]) for node in mounts.nodes]
+        cpu = [cpu_seconds(node["pid"]) - c for node, c in zip(mounts.nodes, cpu0)]
         per = [{k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in range(n)]
         rss = [peak_rss(node["pid"]) for node in mounts.nodes]
     finally:
         mounts.close()
-    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss}
+    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss, "cpu": cpu}
 
 
-def direct_read(shared: Path) -> float:
+def direct_read(shared: Path, drop: bool = True) -> float:
     """Seconds to read every chunk file of the shared directory (page cache dropped)."""
-    drop_caches()
+    if drop:
+        drop_caches()
     files = sorted(p for p in (shared / "chunks").glob("*/*"))
     started = time.perf_counter()
     for p in files:
@@ -151,11 +163,49 @@ def direct_read(shared: Path) -> float:
     return time.perf_counter() - started
 
 
+def _write_direct(path: Path, size: int) -> None:
+    """``size`` bytes to ``path`` with O_DIRECT in 8 MiB writes: what a daemon's chunk cache does."""
+    import mmap
+
+    buf = mmap.mmap(-1, 8 * MiB)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        for off in range(0, size, 8 * MiB):
+            os.pwrite(fd, buf, off)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def disk_floor(shared: Path, base: Path, size: int, n: int) -> dict[str, float]:
+    """What this machine's disk allows the cases, without marinfs: every daemon's cache, the shared
+    directory and this one disk are one device here, so (c) and (d) move several times the
+    bytes of reading the shared directory. ``hit``: the shared directory's files read (as
+    ``direct_read``) while as many bytes are written with O_DIRECT (a node's own cache keeping
+    what it read from the tier): the floor of mounts 2..N in turn. ``together``: N + 1 writers of
+    ``size`` (N caches, one publish) and N - 1 readers of the shared files at once."""
+    def run(jobs: list[threading.Thread]) -> float:
+        drop_caches()
+        started = time.perf_counter()
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join()
+        return time.perf_counter() - started
+
+    hit = run([threading.Thread(target=direct_read, args=(shared, False)),
+               threading.Thread(target=_write_direct, args=(base / "floor-w0", size))])
+    together = run([threading.Thread(target=_write_direct, args=(base / f"floor-w{i}", size)) for i in range(n + 1)]
+                   + [threading.Thread(target=direct_read, args=(shared, False)) for _ in range(n - 1)])
+    return {"hit": hit, "together": together}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1G")
     ap.add_argument("--mounts", type=int, default=4)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reps", type=int, default=1, help="run every case this many times (medians printed)")
     args = ap.parse_args()
     size = parse_size(args.size)
     n = args.mounts
@@ -172,30 +222,50 @@ def main() -> None:
                 f.write(block)
                 left -= len(block)
         shared = base / "shared"
-        cases = [case(server, url, base, "alone", 1, None, False, "model.bin"),
-                 case(server, url, base, "alone-tier", 1, shared, False, "model.bin"),
-                 case(server, url, base, "together", n, shared, True, "model.bin"),
-                 case(server, url, base, "in-turn", n, shared, False, "model.bin")]
-        results["cases"] = cases
-        results["direct_shared_seconds"] = direct_read(shared)
+        runs = []
+        for _ in range(args.reps):
+            runs.append([case(server, url, base, "alone", 1, None, False, "model.bin"),
+                         case(server, url, base, "alone-tier", 1, shared, False, "model.bin"),
+                         case(server, url, base, "together", n, shared, True, "model.bin"),
+                         case(server, url, base, "in-turn", n, shared, False, "model.bin")])
+            runs[-1].append(direct_read(shared))
+            runs[-1].append(disk_floor(shared, base, size, n))
+        results["runs"] = runs
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
-    alone = results["cases"][0]["seconds"][0]
     gib = size / (1 << 30)
-    print(f"object {size / MiB:.0f} MiB, {n} mounts; one mount alone {alone:.2f} s "
-          f"({size / MiB / alone:.0f} MiB/s)")
-    for c in results["cases"]:
-        bucket = [m["chunk_bucket"] / MiB for m in c["moved"]]
-        remote = [m["remote_in"] / MiB for m in c["moved"]]
-        print(f"{c['case']:>10}: seconds {[round(s, 2) for s in c['seconds']]}, slowest / alone "
-              f"{max(c['seconds']) / alone:.2f}; bucket MiB per mount {[round(b, 1) for b in bucket]} "
-              f"(all GETs {[round(r, 1) for r in remote]}), in all {sum(remote) / 1024:.3f} GiB "
-              f"for {gib:.3f} GiB; peak RSS MiB {[round(r / MiB) for r in c['peak_rss']]}")
-    turn = results["cases"][3]["seconds"][1:]
-    direct = results["direct_shared_seconds"]
-    print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
-          f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
+    ratios: dict[str, list[float]] = {"together / alone": [], "in turn 2..N / direct": []}
+    for rep, run in enumerate(results["runs"]):
+        *cases, direct, floor = run
+        alone = cases[0]["seconds"][0]
+        print(f"rep {rep + 1}: object {size / MiB:.0f} MiB, {n} mounts; one mount alone {alone:.2f} s "
+              f"({size / MiB / alone:.0f} MiB/s)")
+        for c in cases:
+            bucket = [m["chunk_bucket"] / MiB for m in c["moved"]]
+            remote = [m["remote_in"] / MiB for m in c["moved"]]
+            print(f"{c['case']:>10}: seconds {[round(s, 2) for s in c['seconds']]}, slowest / alone "
+                  f"{max(c['seconds']) / alone:.2f}; bucket MiB per mount {[round(b, 1) for b in bucket]} "
+                  f"(all GETs {[round(r, 1) for r in remote]}), in all {sum(remote) / 1024:.3f} GiB "
+                  f"for {gib:.3f} GiB; daemon CPU-s/GiB {[round(c_ / gib, 2) for c_ in c['cpu']]}; "
+                  f"peak RSS MiB {[round(r / MiB) for r in c['peak_rss']]}")
+            tier = {k[len("shared_"):]: [int(m.get(k, 0)) for m in c["moved"]] for k in
+                    ("shared_lease_waits", "shared_lease_timeouts", "shared_publish_skipped", "shared_timeouts",
+                     "shared_corrupt", "shared_degraded")}
+            if any(any(v) for v in tier.values()):
+                print(f"{'':>12}tier: {', '.join(f'{k} {v}' for k, v in tier.items() if any(v))}")
+        turn = cases[3]["seconds"][1:]
+        print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
+              f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
+        print(f"this disk's floor without marinfs: a hit (the shared files read while as much is written "
+              f"with O_DIRECT) {floor['hit']:.2f} s = {direct / floor['hit']:.2f} of the direct read's speed; "
+              f"{n} together ({n + 1} GiB-scale writers, {n - 1} readers at once) {floor['together']:.2f} s "
+              f"= {floor['together'] / alone:.2f} x one mount alone")
+        ratios["together / alone"].append(max(cases[2]["seconds"]) / alone)
+        ratios["in turn 2..N / direct"].append(min(direct / s for s in turn))
+    if args.reps > 1:
+        for k, v in ratios.items():
+            print(f"median {k}: {statistics.median(v):.2f} (runs: {[round(x, 2) for x in v]})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -1059,9 +1059,9 @@ class KeepRecordingCache(ChunkCache):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.kept: dict[int, bool] = {}
 
-    def put(self, key: ChunkKey, data: object, keep: bool = False) -> bool:  # type: ignore[override]
+    def put(self, key: ChunkKey, data: object, keep: bool = False, **kw: object) -> bool:  # type: ignore[override]
         self.kept[key.index] = keep
-        return super().put(key, data, keep=keep)  # type: ignore[arg-type]
+        return super().put(key, data, keep=keep, **kw)  # type: ignore[arg-type]
 
 
 def test_chunks_read_at_random_are_cached_through_the_page_cache(tmp_path: Path,

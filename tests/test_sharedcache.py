@@ -391,6 +391,69 @@ def test_pooled_buffers_are_checksummed_in_place(shared: Path) -> None:
     assert source == "shared" and bytes(data) == content(obj, 0, CHUNK)
 
 
+@pytest.mark.parametrize("size", [CHUNK, CHUNK - 1000, 100, 4096 - 24, 4096 - 23])
+@pytest.mark.parametrize("writer_direct,reader_direct", [(True, True), (True, False), (False, True)])
+def test_pooled_chunks_go_with_o_direct_and_read_the_same_either_way(
+        shared: Path, size: int, writer_direct: bool, reader_direct: bool) -> None:
+    """A chunk fetched into a pooled (page-aligned) buffer is written with O_DIRECT and read
+    back with O_DIRECT into one: its last partial block and trailer through the thread's
+    aligned scratch. The file is the same as a buffered one: a node whose filesystem refused
+    O_DIRECT (here: told so) reads and writes the same chunks."""
+    from marinfs.read.buffers import BufferPool
+
+    pool = BufferPool(CHUNK, 4 * CHUNK)
+    obj = obj_of(size=size)
+    a, b = node(shared), node(shared)
+    a._direct.write_direct = writer_direct
+    b._direct.read_direct = reader_direct
+    writes = []
+    real = a._direct.write
+    a._direct.write = lambda fd, data, c, direct, **kw: writes.append(direct) or real(fd, data, c, direct, **kw)
+
+    def fetch() -> memoryview:
+        buf = pool.take(size)
+        buf[:] = content(obj, 0, size)
+        return buf
+
+    a.get(obj, 0, size, fetch, pool.take)
+    a.settle()
+    assert writes == [writer_direct]
+    (path,) = (shared / "chunks").glob("*/*")
+    assert path.stat().st_size == size + TRAILER.size
+    data, source = b.get(obj, 0, size, fetch, pool.take)
+    assert source == "shared" and bytes(data) == content(obj, 0, size)
+    assert b._direct.read_direct == reader_direct  # (this disk took O_DIRECT: no fallback met)
+    data, source = b.get(obj, 0, size, fetch, take)  # an unaligned buffer: read through the page cache
+    assert source == "shared" and bytes(data) == content(obj, 0, size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "flip-tail", "truncate", "trailer"])
+def test_a_damaged_chunk_read_with_o_direct_is_detected(shared: Path, damage: str) -> None:
+    from marinfs.read.buffers import BufferPool
+
+    pool = BufferPool(CHUNK, 4 * CHUNK)
+    bucket = Bucket()
+    size = CHUNK - 1000
+    a, b = node(shared), node(shared)
+    obj = obj_of(size=size)
+    get(a, bucket, obj)
+    a.settle()
+    (path,) = (shared / "chunks").glob("*/*")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[100] ^= 0x40
+    elif damage == "flip-tail":
+        raw[size - 1] ^= 0x40  # in the last partial block, read through the scratch
+    elif damage == "truncate":
+        raw = raw[:CHUNK // 2]
+    else:
+        raw[-TRAILER.size] ^= 1
+    path.write_bytes(raw)
+    data, source = b.get(obj, 0, size, bucket.fetcher(obj, 0, size), pool.take)
+    assert source == "bucket" and bytes(data) == content(obj, 0, size)
+    assert b.snapshot()["corrupt"] == 1 and bucket.gets == 2
+
+
 # -- wired into the read path (reader.ChunkFetcher), each "node" with its own disk cache ---------
 
 class CountingRemote:
@@ -459,6 +522,46 @@ def test_fetchers_sharing_a_tier_fetch_an_object_from_the_bucket_once(tmp_path: 
         second.close()
 
 
+def test_a_chunk_is_checksummed_once_on_its_way_to_the_tier_and_the_disk_cache(
+        tmp_path: Path, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC-32C the tier checked (a hit) or took to publish (a fetch) is the one the node's
+    own disk cache records: one pass over the bytes, not one per copy; and it is the right one
+    (each cached chunk's record verifies against its bytes)."""
+    from marinfs.read import chunkio
+    from marinfs.read.chunkio import read_whole
+
+    if not chunkio.HAS_CRC32C or sharedcache.crc32c_extend is None:
+        pytest.skip("no google-crc32c C library: each writer takes zlib's CRC-32")
+    summed = [0]
+
+    def counting(real):  # noqa: ANN001, ANN202
+        def extend(crc, addr, n):  # noqa: ANN001, ANN202
+            summed[0] += n
+            return real(crc, addr, n)
+        return extend
+
+    monkeypatch.setattr(sharedcache, "crc32c_extend", counting(sharedcache.crc32c_extend))
+    monkeypatch.setattr(chunkio, "_crc32c_extend", counting(chunkio._crc32c_extend))
+    obj = obj_of(size=16 * CHUNK + 123)
+    remote = CountingRemote(obj)
+    for name, source in (("n1", "bucket"), ("n2", "shared")):
+        summed[0] = 0
+        fetcher = fetcher_node(tmp_path, shared, remote, name)
+        try:
+            assert read_all(fetcher, obj) == remote.data
+            fetcher.settle()
+            fetcher.shared.settle()
+            assert fetcher.sources()[source] == obj.size
+            assert summed[0] == obj.size, f"{name}: {summed[0]} bytes checksummed for {obj.size}"
+            entries = list(fetcher.cache._index.entries.values())
+            assert len(entries) == 17
+            for e in entries:
+                assert read_whole(e.path, e.offset, e.size, e.crc, e.c) is not None
+        finally:
+            fetcher.close()
+    assert remote.bytes == obj.size
+
+
 def test_fetchers_reading_together_fetch_about_one_copy(tmp_path: Path, shared: Path) -> None:
     obj = obj_of(size=24 * CHUNK)
     remote = CountingRemote(obj, delay=0.02)
@@ -524,9 +627,9 @@ def test_a_fetch_waits_for_a_publishing_slot_instead_of_skipping(shared: Path, m
     tier.max_publishing = 1
     real = tier._write_chunk
 
-    def slow(name, data):  # noqa: ANN001
+    def slow(name, data, *crc):  # noqa: ANN001
         time.sleep(0.05)
-        return real(name, data)
+        return real(name, data, *crc)
 
     monkeypatch.setattr(tier, "_write_chunk", slow)
     for i in range(6):

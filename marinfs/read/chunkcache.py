@@ -421,7 +421,7 @@ class ChunkCache:
             return sum(self._index.pins.values())
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: Buffer, keep: bool = False) -> bool:
+    def put(self, key: ChunkKey, data: Buffer, keep: bool = False, crc32c: int | None = None) -> bool:
         """Store a chunk (any buffer: ``bytes``, obstore's ``Bytes``), at ``key.start`` in its
         version's data file (where it starts in the object). False (and nothing stored) when it
         cannot fit or the disk says no.
@@ -429,7 +429,11 @@ class ChunkCache:
         ``keep``: the chunk will likely be read again in pieces (random reads, a mapped file's
         faults), so it is written through the page cache, which then serves those reads from
         memory; otherwise it is written with O_DIRECT (a sequential reader reads it once, and
-        the FUSE file's own page cache holds what it read)."""
+        the FUSE file's own page cache holds what it read).
+
+        ``crc32c``: the chunk's CRC-32C when the caller knows it already (the shared tier checked
+        it as it read the chunk, or took it to publish it): the record carries it, not taken
+        again."""
         size = len(data)
         ikey = (key.object_id, key.index)
         offset = key.index * self.chunk_size if key.start < 0 else key.start
@@ -446,7 +450,8 @@ class ChunkCache:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                crc = self._io.write(fd, data, c, direct=self._io.write_direct and not keep, offset=offset)
+                crc = self._io.write(fd, data, c, direct=self._io.write_direct and not keep, offset=offset,
+                                     crc=crc32c if c else None)
             finally:
                 os.close(fd)
             sub = self.dir / key.object_id[:2]

@@ -135,16 +135,18 @@ class DirectIO:
                 self.read_direct = False  # this filesystem has no O_DIRECT: buffered from now on
         return os.open(path, os.O_RDONLY)
 
-    def write(self, fd: int, data: Buffer, c: bool, direct: bool, offset: int = 0) -> int:
+    def write(self, fd: int, data: Buffer, c: bool, direct: bool, offset: int = 0, crc: int | None = None) -> int:
         """All of ``data`` to ``fd`` at ``offset``: the block-aligned bulk with O_DIRECT (from an
         aligned buffer, as it requires: ``data`` itself when it is a writable page-aligned
         buffer, such as the pooled buffer a chunk was fetched into, else a copy in this thread's
         aligned buffer), the tail and any filesystem without O_DIRECT buffered. Answers the
         checksum of what was written (CRC-32C if ``c``), taken at the aligned buffer's address
-        where it can be (ctypes releases the GIL): any buffer is checksummed without a copy more."""
+        where it can be (ctypes releases the GIL): any buffer is checksummed without a copy more.
+        ``crc``: that checksum, already known (a chunk the shared tier checked as it read it):
+        answered as it is, not taken again."""
         view = memoryview(data)
         bulk = len(view) - len(view) % ALIGN if direct and offset % ALIGN == 0 else 0
-        crc = None
+        known = crc
         if bulk:
             addr = aligned_address(view)
             if addr is not None:  # a pooled buffer (buffers.py): written from where it is
@@ -168,11 +170,13 @@ class DirectIO:
                 bulk = 0
             finally:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            if bulk and c and _crc32c_extend is not None:
+            if bulk and c and _crc32c_extend is not None and known is None:
                 crc = _crc32c_extend(0, addr, bulk)
                 tail = view[bulk:].tobytes()
                 crc = _crc32c_extend(crc, tail, len(tail)) if tail else crc
         write_all(fd, view[bulk:], offset + bulk)
+        if known is not None:
+            return known
         if crc is None and c and not bulk and view.nbytes and not view.readonly and view.c_contiguous:
             crc = checksum_at(view, view.nbytes, c)  # written buffered (a random read's): no copy either
         return crc if crc is not None else checksum(data, c)

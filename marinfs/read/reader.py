@@ -91,6 +91,7 @@ class _Held:
     cost: int = 0  # what it occupies in the budget: its buffer's capacity, not only its bytes
     whole: bool = False  # its object's only chunk (a small file): see _done_with_locked
     stored: bool = False  # the disk cache has it
+    crc32c: int | None = None  # its CRC-32C where the shared tier took it: the disk cache keeps it as is
 
 
 class ChunkFetcher:
@@ -405,15 +406,18 @@ class ChunkFetcher:
             return buf
         return self._fetch_split(obj, start, end, step)
 
-    def _fetch_tiered(self, obj: ObjectRef, start: int, end: int, split: bool) -> Any:
-        """``[start, end)`` of ``obj`` from the shared tier, else the bucket (see _fetch)."""
+    def _fetch_tiered(self, obj: ObjectRef, start: int, end: int, split: bool) -> tuple[Any, int | None]:
+        """``[start, end)`` of ``obj`` from the shared tier, else the bucket (see _fetch), and its
+        CRC-32C where the tier took it (checked as it read it, or to publish it)."""
+        crc = None
         if self.shared is None:
             data, source = self._fetch(obj, start, end, split), "bucket"
         else:
             take = self.buffers.take if self.fetch_into is not None else (lambda n: memoryview(bytearray(n)))
-            data, source = self.shared.get(obj, start, end, lambda: self._fetch(obj, start, end, split), take)
+            data, source, crc = self.shared.get_checked(obj, start, end, lambda: self._fetch(obj, start, end, split),
+                                                        take)
         self._count_source(source, len(data))
-        return data
+        return data, crc
 
     def _count_source(self, source: str, n: int) -> None:
         with self._sources_lock:
@@ -461,8 +465,9 @@ class ChunkFetcher:
         try:
             data = self._load(ck, end - start) if cached else None
             loaded = data is not None
+            crc = None
             if data is None:
-                data = self._fetch_tiered(obj, start, end, split=demand)
+                data, crc = self._fetch_tiered(obj, start, end, split=demand)
             else:
                 self._count_source("local", len(data))
             if len(data) != end - start:
@@ -470,7 +475,7 @@ class ChunkFetcher:
             with self._lock:
                 entry = _Held(data, held=ck in self._hold, writing=self.cache is not None and not loaded, keep=keep,
                               cost=self._cost_of(data), whole=index == 0 and obj.size <= self.chunk_size,
-                              stored=loaded)
+                              stored=loaded, crc32c=crc)
                 self._reserved -= reserved
                 reserved = 0
                 old = self._chunks.pop(ck, None)
@@ -518,7 +523,7 @@ class ChunkFetcher:
         stored = False
         try:
             assert self.cache is not None
-            stored = self.cache.put(ck, entry.data, keep=entry.keep)  # may refuse (full disk): then memory is all we have
+            stored = self.cache.put(ck, entry.data, keep=entry.keep, crc32c=entry.crc32c)  # may refuse (full disk): then memory is all we have
         except Exception as exc:  # noqa: BLE001 - a chunk not cached is only a later miss
             log.warning("caching chunk %s failed: %s", ck, exc)
         finally:

@@ -35,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import socket
@@ -57,6 +59,7 @@ from typing import Any
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import UsageError
 from marinfs.objects import ObjectRef
+from marinfs.read.chunkio import ALIGN, HAS_CRC32C, DirectIO, aligned_address, write_all
 from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
@@ -136,6 +139,26 @@ class _Corrupt(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Sound:
+    """A chunk read from the tier whole and checked: its CRC-32C (None where it carries zlib's
+    CRC-32), which the disk cache then keeps without a pass of its own over the bytes."""
+
+    crc32c: int | None
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def crc32c_of(data: Any) -> int | None:
+    """``data``'s CRC-32C, the checksum chunks are published with; None without google-crc32c's C
+    library (then each writer takes zlib's CRC-32 itself)."""
+    if not HAS_CRC32C:
+        return None
+    kind, crc = checksum(data)
+    return crc if kind == CRC32C else None
+
+
 class _DaemonPool:
     """Worker threads that never hold up the interpreter's exit: a thread hung in a call to a
     dead NFS server stays hung, and ThreadPoolExecutor joins its threads at exit."""
@@ -195,6 +218,10 @@ class SharedTier:
         # Unique per daemon (a PID alone is reused, and every node has a PID 1 in a pod).
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
+        # O_DIRECT where the directory's filesystem takes it (its flags only go from True to
+        # False), and each I/O thread's aligned scratch (_scratch).
+        self._direct = DirectIO(self.root / "chunks")
+        self._local = threading.local()
         self._down = _State()  # the whole tier skipped (slow, gone, failing reads)
         self._no_writes = _State()  # read-only, full, refused: served from, not published to
         self.counts = {"hits": 0, "misses": 0, "hit_bytes": 0, "published": 0, "published_bytes": 0,
@@ -221,53 +248,66 @@ class SharedTier:
         from ``fetch()`` (the bucket) and published for the other nodes; nodes missing it
         together send one fetch between them. Answers (data, "shared" or "bucket"). Never raises
         for the tier's sake: only ``fetch``'s own errors come out."""
+        data, source, _ = self.get_checked(obj, start, end, fetch, take)
+        return data, source
+
+    def get_checked(self, obj: ObjectRef, start: int, end: int, fetch: Callable[[], Any],
+                    take: Callable[[int], memoryview]) -> tuple[Any, str, int | None]:
+        """``get``, and the chunk's CRC-32C where it was taken on the way (checked as it was
+        read from the tier, or taken to publish it): the disk cache keeps it without taking it
+        again. None where it was not (or the tier uses zlib's CRC-32)."""
         size = end - start
         if size <= 0 or not shareable(obj) or not self.usable():
-            return fetch(), "bucket"
+            return fetch(), "bucket", None
         name = chunk_name(obj, start, size)
-        data = self._lookup(name, size, take)
-        if data is not None:
-            return data, "shared"
+        found = self._lookup(name, size, take)
+        if found is not None:
+            return found[0], "shared", found[1]
         if not self.writable():
-            return fetch(), "bucket"
+            return fetch(), "bucket", None
         deadline = self.monotonic() + self.lease_ttl
         delay = 0.002
         first = True
         while True:
             mine = self._call(self._take_lease, name)
             if mine is None:  # the tier failed us just now: the bucket
-                return fetch(), "bucket"
+                return fetch(), "bucket", None
             if mine:
                 # Another node may have published it and let its lease go since our last look.
-                data = self._lookup(name, size, take, count=False)
-                if data is not None:
+                found = self._lookup(name, size, take, count=False)
+                if found is not None:
                     self._call(self._release, name)
-                    return data, "shared"
-                return self._fetch_and_publish(name, fetch, leased=True), "bucket"
+                    return found[0], "shared", found[1]
+                data, crc = self._fetch_and_publish(name, fetch, leased=True)
+                return data, "bucket", crc
             if first:
                 first = False
                 self._count("lease_waits")
             if self.monotonic() >= deadline:
                 self._count("lease_timeouts")
                 log.info("shared chunk %s: lease still held after %.1f s; fetching it here", name, self.lease_ttl)
-                return self._fetch_and_publish(name, fetch, leased=False), "bucket"
+                data, crc = self._fetch_and_publish(name, fetch, leased=False)
+                return data, "bucket", crc
             self.sleep(delay)
             delay = min(delay * 2, 0.02)
-            data = self._lookup(name, size, take, count=False)
-            if data is not None:
-                return data, "shared"
+            found = self._lookup(name, size, take, count=False)
+            if found is not None:
+                return found[0], "shared", found[1]
             if not self.usable():
-                return fetch(), "bucket"
+                return fetch(), "bucket", None
 
-    def _fetch_and_publish(self, name: str, fetch: Callable[[], Any], leased: bool) -> Any:
+    def _fetch_and_publish(self, name: str, fetch: Callable[[], Any], leased: bool) -> tuple[Any, int | None]:
         try:
             data = fetch()
         except BaseException:
             if leased:
                 self._call(self._release, name)
             raise
-        self.publish(name, data, leased=leased)
-        return data
+        # Taken here once for both copies, the tier's and the disk cache's (a pass over 8 MiB:
+        # about a millisecond), where each writer took its own before.
+        crc = crc32c_of(data) if self.writable() else None
+        self.publish(name, data, leased=leased, crc32c=crc)
+        return data, crc
 
     # -- state -------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -321,23 +361,26 @@ class SharedTier:
     def _path(self, name: str) -> Path:
         return self.root / "chunks" / name[:2] / name
 
-    def _lookup(self, name: str, size: int, take: Callable[[int], memoryview], count: bool = True) -> Any:
+    def _lookup(self, name: str, size: int, take: Callable[[int], memoryview],
+                count: bool = True) -> tuple[Any, int | None] | None:
+        """(the chunk in a buffer from ``take``, its CRC-32C if it carries one) or None."""
         buf = take(size)
         got = self._call(self._read_chunk, name, buf)
         if got:
             self._count("hits")
             self._count("hit_bytes", size)
-            return buf
+            return buf, getattr(got, "crc32c", None)
         if count and got is not None:
             self._count("misses")
         return None
 
-    def _read_chunk(self, name: str, buf: memoryview) -> bool:
-        """Fill ``buf`` with chunk ``name``; False if the tier has no sound copy of it. A copy
-        of the wrong size or checksum is removed (it is fetched and published again)."""
+    def _read_chunk(self, name: str, buf: memoryview) -> Sound | bool:
+        """Fill ``buf`` with chunk ``name``: a ``Sound`` if it was there whole and checked, False
+        if the tier has no sound copy of it. A copy of the wrong size or checksum is removed (it
+        is fetched and published again)."""
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._direct.open_for_read(path)
         except (FileNotFoundError, NotADirectoryError):
             if not (self.root / "chunks").is_dir():
                 raise FileNotFoundError(errno.ENOENT, "the shared directory is gone", str(self.root)) from None
@@ -345,13 +388,10 @@ class SharedTier:
         try:
             st = os.fstat(fd)
             size = len(buf)
-            tail = bytearray(TRAILER.size)
             try:
                 if st.st_size != size + TRAILER.size:
                     raise _Corrupt(f"{st.st_size} bytes, not {size + TRAILER.size}")
-                got = os.preadv(fd, [buf, tail], 0)
-                if got != size + TRAILER.size:
-                    raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+                tail = self._read_into(fd, buf)
                 magic, length, crc, kind = TRAILER.unpack(tail)
                 if magic != MAGIC or length != size:
                     raise _Corrupt("no trailer")
@@ -370,16 +410,58 @@ class SharedTier:
             if self.clock() - st.st_mtime > TOUCH_EVERY:  # keep it from eviction: used lately
                 with contextlib.suppress(OSError):
                     os.utime(fd)
-            return True
+            return Sound(crc if kind == CRC32C else None)
         finally:
             os.close(fd)
 
-    def publish(self, name: str, data: Any, leased: bool = False) -> None:
+    def _read_into(self, fd: int, buf: memoryview) -> bytes:
+        """Read the chunk file open at ``fd`` (``len(buf)`` bytes, then the trailer) with one
+        ``preadv``: the bytes straight into ``buf``, the trailer answered. With ``O_DIRECT`` (the
+        descriptor has it where the filesystem takes it) the block-aligned bulk lands in ``buf``
+        (a pooled, page-aligned buffer) from the disk or the server with no copy in the page
+        cache, and the last partial block with the trailer in this thread's aligned scratch."""
+        size = len(buf)
+        direct = bool(os.O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        if direct and aligned_address(buf) is not None:
+            bulk = size - size % ALIGN
+            scratch = self._scratch()
+            try:
+                got = os.preadv(fd, [buf[:bulk], scratch] if bulk else [scratch], 0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct.read_direct = False  # this filesystem refuses our O_DIRECT reads
+                log.info("shared cache tier %s: no O_DIRECT reads (%s); buffered", self.root, exc)
+            else:
+                if got != size + TRAILER.size:
+                    raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+                rest = size - bulk
+                if rest:
+                    buf[bulk:] = scratch[:rest]
+                return bytes(scratch[rest:rest + TRAILER.size])
+        if direct:  # an unaligned buffer (no pool): the same file read through the page cache
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        tail = bytearray(TRAILER.size)
+        got = os.preadv(fd, [buf, tail], 0)
+        if got != size + TRAILER.size:
+            raise _Corrupt(f"read {got} bytes of {size + TRAILER.size}")
+        return bytes(tail)
+
+    def _scratch(self) -> memoryview:
+        """This thread's page-aligned two pages: a chunk's last partial block and its trailer
+        (less than a block of data and 24 bytes) under O_DIRECT."""
+        view = getattr(self._local, "scratch", None)
+        if view is None:
+            view = self._local.scratch = memoryview(mmap.mmap(-1, 2 * ALIGN))
+        return view
+
+    def publish(self, name: str, data: Any, leased: bool = False, crc32c: int | None = None) -> None:
         """Write chunk ``name`` into the tier in the background (then let its lease go, so the
         nodes waiting for it find it). When ``max_publishing`` chunks wait already, the caller
         (a fetch) waits for a slot, ``io_timeout`` at most: a node fetches no faster than the
         shared directory takes what it fetched (skipping would send every other node to the
-        bucket for it). Past that, skipped, and the lease let go."""
+        bucket for it). Past that, skipped, and the lease let go. ``crc32c``: the chunk's, if
+        the caller took it already."""
         busy = not self.writable()
         if not busy:
             with self._slot_freed:
@@ -393,7 +475,7 @@ class SharedTier:
                 self._call(self._release, name)
             return
         try:
-            self._publisher.submit(self._publish, name, data, leased)
+            self._publisher.submit(self._publish, name, data, leased, crc32c)
         except RuntimeError:  # shut down
             with self._lock:
                 self._publishing -= 1
@@ -401,12 +483,12 @@ class SharedTier:
             if leased:
                 self._call(self._release, name)
 
-    def _publish(self, name: str, data: Any, leased: bool) -> None:
+    def _publish(self, name: str, data: Any, leased: bool, crc32c: int | None = None) -> None:
         size = len(data) + TRAILER.size
         room = False
         try:
             room = self._make_room(size)
-            if room and self._call(self._write_chunk, name, data):
+            if room and self._call(self._write_chunk, name, data, crc32c):
                 self._count("published")
                 self._count("published_bytes", len(data))
         except OSError as exc:  # the scan, here (it may take long on a big tier: no timeout)
@@ -420,22 +502,24 @@ class SharedTier:
             if leased:
                 self._call(self._release, name)
 
-    def _write_chunk(self, name: str, data: Any) -> bool:
-        kind, crc = checksum(data)
+    def _write_chunk(self, name: str, data: Any, crc32c: int | None = None) -> bool:
+        """Write chunk ``name`` under a temporary name and rename it into place. The bulk goes
+        with ``O_DIRECT`` from the buffer it was fetched into (chunkio's ``DirectIO``, the disk
+        cache's writer: buffered where the filesystem refuses it, and for any other buffer):
+        no copy into the page cache, no dirty pages for writeback to throttle the next fetch
+        on. Not synced: a chunk a crash left short or wrong fails its size or checksum check
+        and is fetched again."""
         size = len(data)
         final = self._path(name)
         final.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = self.root / "tmp" / f"{name}.{self.holder.replace(':', '_').replace('/', '_')}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            views = [memoryview(data).cast("B"), memoryview(TRAILER.pack(MAGIC, size, crc, kind))]
-            while views:
-                n = os.writev(fd, views)
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if views and n:
-                    views[0] = views[0][n:]
+            c = HAS_CRC32C and crc32c_extend is not None
+            # Only from a page-aligned buffer: any other would be copied into an aligned one first.
+            direct = self._direct.write_direct and aligned_address(memoryview(data).cast("B")) is not None
+            crc = self._direct.write(fd, data, c, direct=direct, crc=crc32c if c else None)
+            write_all(fd, memoryview(TRAILER.pack(MAGIC, size, crc, CRC32C if c else CRC32)), size)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
