@@ -52,7 +52,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
         "write_back": True, "write_back_uploads": 4, "write_back_delay": 0.5, "commit_markers": ["**/DONE"],
-        "write_back_hold": ["**/*.tmp/**"],
+        "write_back_hold": ["**/*.tmp/**"], "write_back_max_bytes": 1 << 30,
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
         # The read path's switches: a local remote has none of those paths, so they change nothing else.

@@ -232,6 +232,9 @@ def test_the_queue_uploads_in_order_and_a_barrier_covers_only_what_came_before()
         def __init__(self, key: str) -> None:
             self.key = key
 
+        def known_size(self) -> int:
+            return 1
+
     def upload(staged: Any) -> None:
         started.append(staged.key)
         if staged.key == "slow":
@@ -417,6 +420,25 @@ def test_files_under_a_temporary_checkpoint_directory_wait_for_its_rename(remote
         fs.sync("/")
         assert stored(remote, "1/array") == b"weights" and remote.stats.count("copy") == 0
     finally:
+        fs.close_all()
+
+
+def test_a_full_staging_area_makes_a_close_wait_for_room_not_fail(remote: Remote, tmp_path: Path) -> None:
+    gate = Gate(remote)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=5.0,
+                    write_back_max_bytes=2500)
+    try:
+        write(fs, "/a", b"x" * 1000)
+        write(fs, "/b", b"x" * 1000)  # 2,000 bytes wait: room left
+        closed = threading.Event()
+        threading.Thread(target=lambda: (write(fs, "/c", b"x" * 1000), closed.set()), daemon=True).start()
+        assert not closed.wait(0.5)  # 3,000 > 2,500: the close waits (the uploads are held)
+        gate.open.set()
+        assert closed.wait(10)  # room made: it returns
+        fs.sync("/")
+        assert [stored(remote, k) for k in "abc"] == [b"x" * 1000] * 3
+    finally:
+        gate.open.set()
         fs.close_all()
 
 

@@ -190,6 +190,12 @@ class MountConfig:
         doc="seconds a closed file waits before its upload starts (`--write-back`; rclone's "
             "`--vfs-write-back`), so a file renamed meanwhile (a temporary checkpoint directory "
             "renamed into place) is sent once, to its final name; a barrier starts what it waits for at once")
+    # Bytes closed and not yet uploaded (write-back): past it a writer's close waits for room.
+    write_back_max_bytes: int = setting(
+        10 << 30, kind=SIZE, low=0, doc_default="10 GiB",
+        help="bytes closed and not yet uploaded (--write-back) past which a close waits (0: no bound)",
+        doc="bytes closed and not yet uploaded (`--write-back`) past which a writer's close waits for "
+            "uploads to make room (the staging disk never fills with them; 0: no bound)")
     # Temporary directories a writer renames into place when it is done (Orbax's checkpoints):
     # their files' uploads wait for that rename (or a barrier), so nothing is copied in the bucket.
     write_back_hold: tuple[str, ...] = setting(

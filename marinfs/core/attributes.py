@@ -47,9 +47,11 @@ class Attributes:
         self.kernel = kernel
         self.writes = writes
         self.namespace = namespace
-        self.lookup = namespace.lookup
         self.defaults = defaults
         self.read_only = read_only
+
+    def lookup(self, key: str) -> ObjectInfo:
+        return self.namespace.lookup(key)
 
     def set_attributes(self, path: str, mode: int | None = None, uid: int | None = None, gid: int | None = None,
                        mtime_ns: int | None = None, fh: int | None = None) -> None:

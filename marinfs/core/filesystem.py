@@ -62,7 +62,8 @@ class Filesystem:
                  list_prefetch: bool = False, file_mode: int = 0o644, dir_mode: int = 0o755,
                  uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40,
                  write_back: bool = False, write_back_uploads: int = 16, write_back_delay: float = 0.0,
-                 commit_markers: tuple[str, ...] = (), write_back_hold: tuple[str, ...] = ()) -> None:
+                 commit_markers: tuple[str, ...] = (), write_back_hold: tuple[str, ...] = (),
+                 write_back_max_bytes: int = 0) -> None:
         self.remote = remote
         self.read_only = read_only
         self.staging_dir = staging_dir
@@ -83,6 +84,7 @@ class Filesystem:
         self.writes = Writes(self._lock, remote, self.metadata, self.kernel, staging_dir, max_file_size,
                              write_back=write_back, write_back_uploads=write_back_uploads,
                              write_back_delay=write_back_delay, write_back_hold=write_back_hold,
+                             write_back_max_bytes=write_back_max_bytes,
                              commit_markers=commit_markers)
         self.kernel.staged = self.writes.staged
         self.namespace = Namespace(self._lock, remote, self.metadata, self.listings, self.handles, self.kernel,

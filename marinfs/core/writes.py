@@ -70,7 +70,7 @@ class Writes:
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
                  staging_dir: Path, max_file_size: int, write_back: bool = False, write_back_uploads: int = 16,
                  write_back_delay: float = 0.0, commit_markers: Sequence[str] = (),
-                 write_back_hold: Sequence[str] = ()) -> None:
+                 write_back_hold: Sequence[str] = (), write_back_max_bytes: int = 0) -> None:
         self.lock = lock
         self.remote = remote
         self.metadata = metadata
@@ -84,6 +84,7 @@ class Writes:
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._markers = [compile_glob(g) for g in commit_markers]
         self._holds = [compile_glob(g) for g in write_back_hold]
+        self.write_back_max_bytes = write_back_max_bytes  # closed, not uploaded; 0: no bound
         self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
                                      hold=self.is_held)
                            if write_back else None)
@@ -228,6 +229,8 @@ class Writes:
             self.commit(staged)
         elif self._uploadable(staged):
             self._schedule(staged)
+            if self.write_back_max_bytes:  # the staging area is bounded: a writer waits for room
+                self.write_back.room(self.write_back_max_bytes)
         elif staged.failed_write:
             raise OSError(staged.failed_write, f"a write to {staged.key} failed; not committed")
 

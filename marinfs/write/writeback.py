@@ -33,6 +33,7 @@ class _Task:
     seq: int
     staged: StagedFile
     ready_at: float
+    size: int = 0  # the staged bytes when queued (the bound on what waits: ``room``)
     started: bool = False
     last: bool = False  # a commit marker: starts once every task before it is done
 
@@ -64,7 +65,7 @@ class WriteBack:
             if id(staged) in self._waiting:
                 return False
             self._waiting.add(id(staged))
-            task = _Task(next(self._seq), staged, time.monotonic() + self.delay)
+            task = _Task(next(self._seq), staged, time.monotonic() + self.delay, staged.known_size())
             self._last = task.seq
             self._queue.append(task)
             self._tasks[task.seq] = task
@@ -88,6 +89,16 @@ class WriteBack:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"{len(waiting)} upload(s) still pending")
                 self._changed.wait(left)
+
+    def room(self, limit: int) -> None:
+        """Wait until the files queued or uploading hold at most ``limit`` bytes (a writer's close
+        when the staging area is full: it waits, never ENOSPC); what waits starts at once."""
+        with self._lock:
+            while sum(t.size for t in self._tasks.values()) > limit and len(self._tasks) > 1:
+                if self._last > self._hurry:
+                    self._hurry = self._last
+                    self._changed.notify_all()
+                self._changed.wait()
 
     def pending(self) -> int:
         """Files queued or uploading."""
