@@ -514,3 +514,13 @@ def test_rsync_through_a_write_back_mount_costs_one_request_a_file(wb_mount: Any
         name = f"dst/d{i % 4}/f{i:03d}"
         assert wb_mount.remote_bytes(name) == (src / f"d{i % 4}" / f"f{i:03d}").read_bytes()
     assert os.stat(wb_mount.mnt / "dst" / "d1" / "f001").st_mode & 0o777 == 0o600
+
+
+@tiers.needs("unit")
+def test_status_shows_the_write_back_queue() -> None:
+    from marinfs.app.status import format_status
+
+    item = {"mountpoint": "/m", "remote": "s3://b/p",
+            "uploads": {"pending": ["a", "b"], "failed": [], "conflicts": [], "write_back": {"queued": 2, "uploaded": 7}}}
+    assert "  write-back: 2 queued or uploading, 7 ended" in format_status([item]).splitlines()
+
