@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 import pytest  # noqa: E402
 
-from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount  # noqa: E402
+from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount, tmpfs  # noqa: E402
 from servers import GCSServer, S3Server, start_fake_gcs, start_seaweedfs  # noqa: E402
 import tiers  # noqa: E402
 
@@ -178,16 +177,8 @@ def mounted_dir(module_mount: Mounted) -> Mounted:
 @tiers.needs("mount")
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB filesystem for the cache directory: it fills at once (root only)."""
-    path = tmp_path / "tiny"
-    path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(path)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 @pytest.fixture(params=["memory", "local"])

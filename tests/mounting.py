@@ -53,6 +53,26 @@ class Mounted:
         self.fs.pipe_file(self.remote_path(rel), data)
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made 0700; root only: skips the test if the mount
+    is refused), lazily unmounted after, also if the test stacked mounts on it."""
+    import pytest
+
+    path.mkdir(mode=0o700, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        for _ in range(3):
+            if not os.path.ismount(path):
+                break
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def force_unmount(mnt: Path) -> None:
     """Unmount, lazily if busy; never leaves a mount behind."""
     for args in (["-u"], ["-u", "-z"]):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mounting import MARINFS, fsspec_client, subprocess_mount
+from mounting import MARINFS, fsspec_client, subprocess_mount, tmpfs
 from servers import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.objectstore]
@@ -183,19 +183,8 @@ def test_a_lease_holder_killed_mid_fetch_holds_nobody_up_past_its_expiry(
 @pytest.fixture
 def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
     """A shared directory on a tmpfs of its own, which the test unmounts or makes read-only."""
-    path = tmp_path / "sharedfs"
-    path.mkdir(mode=0o700)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,mode=0700", "tmpfs", str(path)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "sharedfs", "512m") as path:
         yield path
-    finally:
-        for _ in range(3):
-            if not os.path.ismount(path):
-                break
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 @pytest.mark.parametrize("fault", ["read-only", "unmounted"])

@@ -52,6 +52,7 @@ class WriteBack:
         self._queue: deque[_Task] = deque()  # GUARDED_BY(_lock): not started, in closing order
         self._tasks: dict[int, _Task] = {}  # GUARDED_BY(_lock): queued and uploading, by number
         self._waiting: set[int] = set()  # GUARDED_BY(_lock): id() of the staged files queued, not begun
+        self._bytes = 0  # GUARDED_BY(_lock): the sizes of the tasks in _tasks, summed
         self._last = 0  # GUARDED_BY(_lock): the last number given
         self._hurry = 0  # GUARDED_BY(_lock): tasks up to this number start without waiting their delay
         self._stopping = False
@@ -69,6 +70,7 @@ class WriteBack:
             self._last = task.seq
             self._queue.append(task)
             self._tasks[task.seq] = task
+            self._bytes += task.size
             self._changed.notify_all()
             return True
 
@@ -94,7 +96,7 @@ class WriteBack:
         """Wait until the files queued or uploading hold at most ``limit`` bytes (a writer's close
         when the staging area is full: it waits, never ENOSPC); what waits starts at once."""
         with self._lock:
-            while sum(t.size for t in self._tasks.values()) > limit and len(self._tasks) > 1:
+            while self._bytes > limit and len(self._tasks) > 1:
                 if self._last > self._hurry:
                     self._hurry = self._last
                     self._changed.notify_all()
@@ -144,6 +146,7 @@ class WriteBack:
                 log.exception("after the upload of %s", task.staged.key)
             with self._lock:
                 del self._tasks[task.seq]
+                self._bytes -= task.size
                 self.uploaded += 1
                 self._changed.notify_all()
 
