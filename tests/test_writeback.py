@@ -462,22 +462,30 @@ def test_a_checkpoint_saved_to_a_temporary_directory_then_renamed_is_uploaded_on
     tmp = wb_mount.mnt / "step_100.orbax-checkpoint-tmp-1"
     tmp.mkdir()
     arrays = {f"array{i}": os.urandom(50_000 + i) for i in range(20)}
+    arrays["big"] = os.urandom(24 << 20)  # parts: none may go to the temporary name while written
+    env = {**os.environ, **(wb_mount.env or {})}
+
+    def counters() -> dict[str, Any]:
+        time.sleep(2.5)  # the daemon publishes its counters every 2 s
+        return json.loads(subprocess.run([sys.executable, "-m", "marinfs", "status", "--json", str(wb_mount.mnt)],
+                                         capture_output=True, text=True, check=True, env=env).stdout)[0]
+
+    before = counters() if not wb_mount.url.startswith("/") else None
     for name, data in arrays.items():
         with open(tmp / name, "wb") as f:
             f.write(data)
             os.fsync(f.fileno())  # TensorStore fsyncs every file: the local disk, not the bucket
     os.rename(tmp, wb_mount.mnt / "step_100")
-    env = {**os.environ, **(wb_mount.env or {})}
     subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(wb_mount.mnt)], check=True, env=env,
                    timeout=120)
     for name, data in arrays.items():
         assert wb_mount.remote_bytes(f"step_100/{name}") == data
     assert not wb_mount.remote_exists("step_100.orbax-checkpoint-tmp-1/array0")
-    if not wb_mount.url.startswith("/"):  # (a local disk renames in place)
-        time.sleep(2.5)  # the daemon publishes its counters every 2 s
-        status = json.loads(subprocess.run([sys.executable, "-m", "marinfs", "status", "--json", str(wb_mount.mnt)],
-                                           capture_output=True, text=True, check=True, env=env).stdout)
-        assert status[0]["remote_requests"]["requests"].get("copy", 0) == 0
+    if before is not None:  # (a local disk renames in place)
+        after = counters()["remote_requests"]
+        assert after["requests"].get("copy", 0) == 0
+        sent = after["bytes_out"] - before["remote_requests"]["bytes_out"]
+        assert sent < 1.05 * sum(map(len, arrays.values())), sent  # each byte sent once
 
 
 def test_rsync_through_a_write_back_mount_costs_one_request_a_file(wb_mount: Any, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import posixpath
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -111,7 +111,7 @@ class Writes:
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
                                         dirty=info is None or (truncate and info.size > 0),
-                                        stream=self.remote.part_stream if self.remote.streams else None, **base)
+                                        stream=self._stream_for(key), **base)
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
                                         seed=self.remote.download, **base)
@@ -121,6 +121,12 @@ class Writes:
         if truncate:
             staged.truncate(0)
         return staged
+
+    def _stream_for(self, key: str) -> Callable[..., Any] | None:
+        """A new file's parts go up while it is written in the default mode (its close waits
+        for the bucket); in write-back they wait for the close and its delay: a file renamed
+        meanwhile (Orbax's temporary directory) would have sent its parts to the old name."""
+        return self.remote.part_stream if self.remote.streams and self.write_back is None else None
 
     def release(self, staged: StagedFile) -> None:
         """A writer closed: the last one commits what raced its close and drops the staged
