@@ -57,7 +57,7 @@ def test_journal_exists_exactly_while_bytes_are_uncommitted(tmp_path: Path, remo
     staged.write(b"abc", 0)
     entry = json.loads(Path(staged.journal_path).read_text())
     assert entry == {"remote": remote.url, "key": "k", "base_version": None,
-                     "data": os.path.basename(staged.path)}
+                     "data": os.path.basename(staged.path), "made_ns": staged.made_ns}
     staged.rekey("renamed")
     assert json.loads(Path(staged.journal_path).read_text())["key"] == "renamed"
     staged.commit(remote.upload)

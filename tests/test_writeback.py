@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Iterator
@@ -114,7 +115,8 @@ def test_uploads_run_in_closing_order_and_a_marker_lands_after_everything_before
 
 def test_a_delete_never_overtakes_an_upload_closed_before_it(wb: tuple[Filesystem, Gate], remote: Remote) -> None:
     """Orbax's max_to_keep: the old step goes right after the new one is saved; it must not be
-    gone from the bucket while the new one is incomplete there."""
+    gone from the bucket while the new one is incomplete there. The unlink and rmdir return at
+    once and the names are gone here at once; the bucket loses them after the new step is whole."""
     fs, gate = wb
     gate.open.set()
     fs.mkdir("/step1")
@@ -124,19 +126,51 @@ def test_a_delete_never_overtakes_an_upload_closed_before_it(wb: tuple[Filesyste
     fs.mkdir("/step2")
     for i in range(5):
         write(fs, f"/step2/p{i}", b"new")
-    removed = threading.Event()
-
-    def remove_old() -> None:
-        fs.unlink("/step1/a")
-        fs.rmdir("/step1")
-        removed.set()
-
-    threading.Thread(target=remove_old, daemon=True).start()
-    assert not removed.wait(0.3) and stored(remote, "step1/a") == b"old"
+    started = time.monotonic()
+    fs.unlink("/step1/a")
+    fs.rmdir("/step1")
+    assert time.monotonic() - started < 1.0  # (not waiting for the uploads before them)
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/step1")
+    assert "step1" not in [posixpath.basename(c.name) for c in fs.readdir("/")]
+    time.sleep(0.3)
+    assert stored(remote, "step1/a") == b"old"  # the bucket keeps it while step2 is not there
     gate.open.set()
-    assert removed.wait(10)
+    fs.sync("/")
+    assert stored(remote, "step1/a") is None and not remote.fs.exists(remote.full("step1"))
     order = [e for e in gate.events if e[0] == "delete" or e[1].startswith("step2/")]
     assert order.index(("delete", "step1/a")) > max(order.index(("put", f"step2/p{i}")) for i in range(5))
+
+
+def test_a_name_deleted_here_and_made_again_lands_after_its_delete(wb: tuple[Filesystem, Gate],
+                                                                  remote: Remote) -> None:
+    """rm then a new file of the same name (or rm -r then mkdir): the delete queued first lands
+    first, the new file or directory stays."""
+    fs, gate = wb
+    gate.open.set()
+    fs.mkdir("/d")
+    write(fs, "/d/f", b"one")
+    fs.sync("/")
+    gate.open.clear()
+    write(fs, "/d/g", b"pending")  # an upload the delete must wait for
+    fs.unlink("/d/f")
+    write(fs, "/d/f", b"two")
+    fh = fs.open("/d/f", os.O_RDONLY).fh
+    assert fs.read(fh, 10, 0) == b"two"
+    fs.release(fh)
+    gate.open.set()
+    fs.sync("/")
+    assert stored(remote, "d/f") == b"two"  # deleted ("one"), then uploaded: not the other way round
+    gate.open.clear()
+    write(fs, "/d/h", b"pending")
+    for name in ("f", "g", "h"):
+        fs.unlink(f"/d/{name}")
+    fs.rmdir("/d")
+    gate.open.set()
+    fs.mkdir("/d")  # (its marker waits for the rmdir queued before it)
+    fs.sync("/")
+    assert fs.getattr("/d").is_dir and fs.readdir("/d") == []
+    assert remote.fs.exists(remote.full("d")) and not any(stored(remote, f"d/{n}") for n in "fgh")
 
 
 def test_attributes_set_after_close_travel_with_the_upload(wb: tuple[Filesystem, Gate], remote: Remote) -> None:
@@ -211,6 +245,32 @@ def test_a_daemon_killed_with_uploads_pending_uploads_them_at_its_next_start(rem
         assert [stored(remote, f"f{i}") for i in range(10)] == [f"bytes {i}".encode() for i in range(10)]
     finally:
         gate.fail.update(f"f{i}" for i in range(10))  # the killed daemon's held uploads end, failing
+        gate.open.set()
+
+
+def test_deletes_a_killed_daemon_queued_are_sent_at_its_next_start_after_the_uploads(
+        remote: Remote, tmp_path: Path) -> None:
+    """unlink returned (journaled), the daemon died before the uploads ahead of it ran: the
+    next start uploads, then deletes; a name made again after its delete keeps its new bytes."""
+    remote.fs.makedirs(remote.full("old"), exist_ok=True)
+    for key in ("old/a", "keep"):
+        remote.fs.pipe_file(remote.full(key), b"before")
+    killed = Remote(remote.url)
+    gate = Gate(killed)
+    first = Filesystem(killed, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=2)
+    write(first, "/x", b"new")  # pending: the deletes wait for it
+    first.unlink("/old/a")
+    first.unlink("/keep")
+    write(first, "/keep", b"again")
+    assert len(list((tmp_path / "staging").glob("delete-*.json"))) == 2
+    try:
+        second = Filesystem(remote, staging_dir=tmp_path / "staging")
+        second.recover_staged(at_start=True)
+        assert stored(remote, "x") == b"new" and stored(remote, "keep") == b"again"
+        assert stored(remote, "old/a") is None
+        assert not list((tmp_path / "staging").glob("delete-*.json"))
+    finally:
+        gate.fail.update({"x", "keep"})
         gate.open.set()
 
 

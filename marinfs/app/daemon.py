@@ -239,7 +239,7 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
         if quiet and not trimmed:
             log.debug("no read for %.0f s: chunk memory and idle buffers given back", MEMORY_IDLE_SECONDS)
         trimmed = quiet
-        if fs.failed_commits and time.monotonic() - last_retry >= cfg.commit_retry_interval:
+        if fs.writes.failing() and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
             try:
                 fs.retry_failed_commits()

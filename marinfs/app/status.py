@@ -99,6 +99,8 @@ def format_status(items: list[dict[str, Any]]) -> str:
                 lines.append(f"  write-back: {wb['queued']} queued or uploading, {wb['uploaded']} ended")
             lines += [format_committing(c, time.time()) for c in up.get("committing", [])]
             lines += [format_failed(f) for f in up["failed"]]
+            lines += [f"    delete of {d['key']} failed ({d['error']}); tried again, and at the next start"
+                      for d in up.get("failed_deletes", [])]
             lines += [f"    unfinished directory rename {r['src']} -> {r['dst']} ({r['error']}): {r['todo']}"
                       for r in up.get("renames", [])]
             lines += [f"    conflict {c['key']}: changed by someone else; our bytes are in {c['committed_as']}"

@@ -341,10 +341,10 @@ class Filesystem:
         self._writable()
         self.namespace.symlink(target, path)
 
-    # A delete or rename never overtakes an upload (write-back): it waits for what was closed before it.
+    # A delete or rename never overtakes an upload (write-back): a delete is queued behind what was
+    # closed before it (write/deletes.py), a rename waits for it (unless it re-targets uploads).
     def unlink(self, path: str) -> None:
         self._writable()
-        self.writes.barrier()
         self.namespace.unlink(path)
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
@@ -353,7 +353,6 @@ class Filesystem:
 
     def rmdir(self, path: str) -> None:
         self._writable()
-        self.writes.barrier()
         self.namespace.rmdir(path)
 
     def rename(self, old: str, new: str) -> None:

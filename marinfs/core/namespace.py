@@ -57,7 +57,7 @@ class Namespace:
         info = self.known(key)
         if info is not None:
             return info
-        if self.metadata.is_missing(key):
+        if self.metadata.is_missing(key) or self.writes.is_gone(key):
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         if self.metadata.listed_missing(key):
             if self.listings is not None:
@@ -94,6 +94,8 @@ class Namespace:
             # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
             # file (committed, or open but unwritten) matches the remote, whose stat has a version.
             return staged_info(staged)
+        if self.writes.is_gone(key):  # (deleted here; the bucket has it until its delete's turn)
+            return None
         return self.writes.kept_info(key) or self.metadata.get_stat(key)
 
     def lookup_or_none(self, key: str) -> ObjectInfo | None:
@@ -165,6 +167,8 @@ class Namespace:
             children = self.list_now(key)
         if self.listings is not None:
             self.listings.walked_into(key)
+        if self.writes.deletes is not None:
+            children = [c for c in children if not self.writes.is_gone(c.name)]
         names = {posixpath.basename(c.name) for c in children}
         for staged in self.writes.in_dir(key):  # new files not committed yet are ours to show
             name = posixpath.basename(staged.key)
@@ -209,6 +213,7 @@ class Namespace:
         if not key or self.lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self.require_dir(posixpath.dirname(key))
+        self.writes.settle(key)
         try:
             version = self.remote.symlink(key, target)
         finally:
@@ -262,7 +267,9 @@ class Namespace:
             raise FsError(errno.EPERM, f"{key}: names ending in {LINK_SUFFIX} are links on this store")
 
     # -- names made and removed ----------------------------------------------------------------
-    def unlink(self, path: str) -> None:
+    def unlink(self, path: str, now: bool = False) -> None:
+        """unlink(2); in write-back the delete is queued (write/deletes.py) unless ``now`` (a
+        rename replacing the file, after its barrier: the name is taken again at once)."""
         key = key_of(path)
         info = self.lookup(key)
         if info.is_dir:
@@ -276,6 +283,12 @@ class Namespace:
             return
         staged = self.writes.unlinked(key)
         kept = self.writes.drop_kept(key)
+        if self.writes.deletes is not None and not now:  # write-back: sent behind the uploads closed before it
+            self.writes.deletes.delete(key, False, info.version if staged is None and not kept else None)
+            self.metadata.removed_own(key)
+            entries_changed(self.remote, self.metadata, key)
+            self.kernel.forget_inodes(key)
+            return
         gone = False
         try:
             self.remote.delete(key)
@@ -299,6 +312,7 @@ class Namespace:
         if not key or self.lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self.require_dir(posixpath.dirname(key))
+        self.writes.settle(key)  # (an rmdir of it queued: its marker would go after this one)
         self.remote.make_dir(key)
         keep = mode is not None and self.remote.stores_posix
         attrs = self.defaults.normalized(PosixAttrs(mode=mode & 0o7777), True) if keep else NO_ATTRS
@@ -318,7 +332,10 @@ class Namespace:
         if not info.is_dir:
             raise FsError(errno.ENOTDIR, key)
         self.check_empty(key)
-        self.remote.remove_dir(key)
+        if self.writes.deletes is not None:  # write-back: after the deletes of what was in it
+            self.writes.deletes.delete(key, True, None)
+        else:
+            self.remote.remove_dir(key)
         self.metadata.invalidate_tree(key)
         entries_changed(self.remote, self.metadata, key)
 
@@ -328,6 +345,7 @@ class Namespace:
         except FileNotFoundError:
             # An implicit directory vanishes with its last object: removing it is a success.
             children = []
+        children = [c for c in children if not self.writes.is_gone(c.name)]
         if children or self.writes.any_under(key):
             raise FsError(errno.ENOTEMPTY, key)
 

@@ -143,7 +143,7 @@ class Renamer:
             if target.link:
                 self.remote.delete_link(dst)
             else:
-                self.namespace.unlink(new)
+                self.namespace.unlink(new, now=True)
         if info.link:
             self.remote.rename_link(src, dst)
             return []
@@ -160,6 +160,8 @@ class Renamer:
         first), a replaced target's too: the new bytes then replace what it left in the bucket."""
         if self.writes.write_back is None or self.remote.renames_in_place or info.link:
             return None  # (a local disk renames what it holds in one rename(2))
+        if self.writes.deletes is not None and (self.writes.deletes.near(src) or self.writes.deletes.near(dst)):
+            return None  # (a delete queued in either tree: renamed after it, as in the default mode)
         if info.is_dir:
             if target is not None and not target.is_dir:
                 return None

@@ -34,6 +34,7 @@ from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno, interrupted
 from marinfs.meta.metadata import MetadataCache, compile_glob
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
+from marinfs.write.deletes import DeferredDeletes, recover_in_order
 from marinfs.write.recovery import Recovered, recover
 from marinfs.remote import Remote
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
@@ -88,6 +89,8 @@ class Writes:
         self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
                                      hold=self.is_held)
                            if write_back else None)
+        # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
+        self.deletes = DeferredDeletes(staging_dir, remote, self.write_back) if self.write_back is not None else None
 
     # -- staged files ------------------------------------------------------------------------------
     def writer(self, key: str, info: ObjectInfo | None, truncate: bool, attrs: PosixAttrs | None = None) -> StagedFile:
@@ -260,6 +263,16 @@ class Writes:
         a marker there is no commit point yet (Orbax's commit_success.txt), the rename is."""
         return any(glob.match(key) for glob in self._holds)
 
+    def is_gone(self, key: str) -> bool:
+        """Deleted here (write-back), the delete not yet in the bucket: not shown."""
+        return self.deletes is not None and self.deletes.is_gone(key)
+
+    def settle(self, key: str) -> None:
+        """Before a change that reaches the bucket at once (a directory marker, a link, a
+        close-durable commit) of ``key``: the deletes queued of it, above or below it, land first."""
+        if self.deletes is not None and self.deletes.near(key):
+            self.barrier()
+
     def barrier(self, tree: str | None = None) -> None:
         """Write-back: wait until every file closed so far (in ``tree``, or all) is uploaded
         or kept after failing; nothing in the default mode (a close committed)."""
@@ -274,7 +287,12 @@ class Writes:
         with self.lock:
             kept = [f.key for f in self.failed_commits if covered(f.key)]
             kept += [k for k, s in self.staged.items() if covered(k) and s.failed_unchanged and s.dirty]
+        kept += [d.key for d in (self.deletes.failed() if self.deletes is not None else []) if covered(d.key)]
         return sorted(set(kept))
+
+    def failing(self) -> bool:
+        """Something kept after a failure that the retry pass tries again."""
+        return bool(self.failed_commits) or (self.deletes is not None and bool(self.deletes.failed()))
 
     def not_uploaded(self, staged: StagedFile) -> bool:
         """A new file whose bytes are only here, waiting for their upload (write-back): a
@@ -465,6 +483,8 @@ class Writes:
     def retry_failed_commits(self) -> list[Recovered]:
         """Commit again what failed before (the daemon calls this every commit retry interval).
         Nothing to retry (none failed, or only finally): nothing is asked of the remote."""
+        if self.deletes is not None:
+            self.deletes.retry()
         with self.lock:
             if not any(not f.final for f in self.failed_commits):
                 return []
@@ -480,7 +500,9 @@ class Writes:
         and the merge keeps it unless this pass committed its bytes."""
         with self.lock:
             before = {f.staged: f for f in self.failed_commits}
-        results = recover(self.staging_dir, self.remote, self.open_staging_files(), at_start=at_start)
+        skip = self.open_staging_files()
+        results = (recover_in_order(self.staging_dir, self.remote, skip, at_start) if at_start
+                   else recover(self.staging_dir, self.remote, skip, at_start=at_start))
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self.lock:
@@ -516,6 +538,8 @@ class Writes:
         out = {"pending": pending, "failed": failed, "conflicts": conflicts}
         if self.write_back is not None:  # files closed and not uploaded yet, and uploads ended
             out["write_back"] = {"queued": self.write_back.pending(), "uploaded": self.write_back.uploaded}
+        if self.deletes is not None:  # deletes that failed: kept, tried again
+            out["failed_deletes"] = [{"key": d.key, "error": d.error, "since": d.since} for d in self.deletes.failed()]
         return out
 
     def open_staging_files(self) -> frozenset[str]:

@@ -128,6 +128,7 @@ class StagedFile:
         self.base_version = base_version
         self.attrs = attrs
         self._journaled = False
+        self.made_ns = time.time_ns()  # (a recovery interleaves uploads and deletes by it: write/deletes.py)
         # Upload sessions the store keeps apart (S3 multipart uploads) opened for these bytes
         # and not known to be over, by id: journaled, so a daemon killed meanwhile leaves the
         # next one what to abort. ``leftover_uploads``: those still open when the journal went.
@@ -315,7 +316,7 @@ class StagedFile:
     def _write_journal(self) -> None:
         entry = {"remote": self.remote_url, "key": self.key,
                  "base_version": None if self.base_version is None else str(self.base_version),
-                 "data": os.path.basename(self.path)}
+                 "data": os.path.basename(self.path), "made_ns": self.made_ns}
         if self.attrs is not None and not self.attrs.empty:
             entry["attrs"] = attrs_to_json(self.attrs)
         if self.uploads:

@@ -31,11 +31,17 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Task:
     seq: int
-    staged: StagedFile
+    staged: StagedFile | None  # an upload's file; None for an operation (``op``)
     ready_at: float
     size: int = 0  # the staged bytes when queued (the bound on what waits: ``room``)
     started: bool = False
     last: bool = False  # a commit marker: starts once every task before it is done
+    op: Callable[[], None] | None = None  # a fence (a delete): after all before it, before all after it
+    op_key: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.staged.key if self.staged is not None else self.op_key
 
 
 class WriteBack:
@@ -74,6 +80,17 @@ class WriteBack:
             self._changed.notify_all()
             return True
 
+    def enqueue_op(self, key: str, op: Callable[[], None]) -> None:
+        """Queue ``op`` (a delete of ``key``) as a fence: it runs once every task before it is
+        done (but those held for a rename: they are not closed files of their final name yet),
+        and no task after it starts before it ends. It waits no delay."""
+        with self._lock:
+            task = _Task(next(self._seq), None, time.monotonic(), op=op, op_key=key)
+            self._last = task.seq
+            self._queue.append(task)
+            self._tasks[task.seq] = task
+            self._changed.notify_all()
+
     def barrier(self, under: str | None = None, timeout: float | None = None) -> None:
         """Wait until every task queued so far (of a key ``under`` a prefix, or all) is done.
         Raises TimeoutError past ``timeout`` seconds."""
@@ -84,7 +101,7 @@ class WriteBack:
                 self._hurry = upto
                 self._changed.notify_all()
             while True:
-                waiting = [t for n, t in self._tasks.items() if n <= upto and _covers(under, t.staged.key)]
+                waiting = [t for n, t in self._tasks.items() if n <= upto and _covers(under, t.key)]
                 if not waiting:
                     return
                 left = None if deadline is None else deadline - time.monotonic()
@@ -135,32 +152,47 @@ class WriteBack:
                 self._queue.remove(task)
                 task.started = True
                 self._waiting.discard(id(task.staged))
-            try:
-                self._upload(task.staged)
-            except Exception as exc:  # noqa: BLE001 - kept and reported by the release below
-                log.warning("background upload of %s failed: %s; its bytes are kept and retried",
-                            task.staged.key, exc)
-            try:
-                self._done(task.staged)
-            except Exception:  # noqa: BLE001 - a worker never dies
-                log.exception("after the upload of %s", task.staged.key)
+            if task.op is not None:
+                try:
+                    task.op()
+                except Exception as exc:  # noqa: BLE001 - kept by the op itself, retried later
+                    log.warning("the delete of %s failed: %s; it is kept and tried again", task.key, exc)
+            else:
+                self._run_upload(task.staged)
             with self._lock:
                 del self._tasks[task.seq]
                 self._bytes -= task.size
-                self.uploaded += 1
+                self.uploaded += task.op is None
                 self._changed.notify_all()
+
+    def _run_upload(self, staged: StagedFile) -> None:
+        try:
+            self._upload(staged)
+        except Exception as exc:  # noqa: BLE001 - kept and reported by the release below
+            log.warning("background upload of %s failed: %s; its bytes are kept and retried", staged.key, exc)
+        try:
+            self._done(staged)
+        except Exception:  # noqa: BLE001 - a worker never dies
+            log.exception("after the upload of %s", staged.key)
 
 
     def _next_locked(self) -> tuple[_Task | None, float | None]:
         """The first task in closing order that may start now, else how long until one may (None:
         until something changes). Held tasks are passed over; their rename or a barrier frees them."""
         now, wait = time.monotonic(), None
+        fence = min((n for n, t in self._tasks.items() if t.op is not None), default=None)
         for task in self._queue:
+            if fence is not None and task.seq > fence:
+                break  # (nothing passes a delete not yet done)
+            if task.op is not None:
+                if any(n < task.seq and not self._held_locked(t) for n, t in self._tasks.items()):
+                    break  # (a delete: after every upload closed before it)
+                return task, None
             if task.last and any(n < task.seq for n in self._tasks):
                 continue  # (a marker: after everything closed before it)
             if task.seq <= self._hurry:
                 return task, None
-            if self._hold(task.staged.key):
+            if self._held_locked(task):
                 continue
             if task.ready_at <= now:
                 return task, None
@@ -169,6 +201,11 @@ class WriteBack:
         if wait is None and self._queue:
             wait = 1.0  # held ones only: look again now and then (a rename does not notify)
         return None, wait
+
+    def _held_locked(self, task: _Task) -> bool:
+        """Waiting for the rename of its temporary directory (not begun, not hurried)."""
+        return (task.staged is not None and not task.started and task.seq > self._hurry
+                and self._hold(task.staged.key))
 
     def mark_last(self, staged: StagedFile) -> bool:
         """``staged``'s queued upload is a commit marker's (renamed into place): it starts only
