@@ -681,3 +681,34 @@ def test_a_commit_marker_outside_the_write_back_paths_lands_after_the_files_clos
     assert closed.wait(10) and stored(remote, "_SUCCESS") == b"ok"  # its close: the bucket, last
     puts = [k for kind, k in gate.events if kind == "put"]
     assert puts[-1] == "_SUCCESS" and sorted(puts[:-1]) == [f"ckpt/p{i}" for i in range(3)]
+
+
+@pytest.mark.mount
+def test_through_a_mount_only_a_close_under_a_write_back_path_returns_before_the_bucket_has_it(
+        request: pytest.FixtureRequest, s3_server: Any, tmp_path: Path) -> None:
+    """--write-back-path alone, on S3, with uploads delayed 10 minutes: a file under the path is
+    still not in the bucket after its close returned, a file elsewhere is in the bucket once its
+    close returns; `marinfs sync` then uploads the first at once."""
+    import subprocess
+    import sys
+
+    from conftest import object_store
+    from mounting import Mounted, fsspec_client, subprocess_mount
+
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    url, options, env = object_store(request, "s3")
+    fs, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    with subprocess_mount(url, mnt, cache, "--write-back-path", "ckpt/**", "--write-back-delay", "600",
+                          env=env) as pid:
+        m = Mounted(mnt=mnt, url=url, fs=fs, root=root, cache_dir=cache, pid=pid, env=env)
+        (mnt / "ckpt").mkdir()
+        (mnt / "logs").mkdir()
+        weights, line = os.urandom(100_000), b"step 1 done\n"
+        (mnt / "ckpt" / "weights").write_bytes(weights)  # close returned; the upload waits 600 s
+        (mnt / "logs" / "train.log").write_bytes(line)  # close returned once it was in the bucket
+        assert m.remote_bytes("logs/train.log") == line
+        assert not m.remote_exists("ckpt/weights")
+        assert (mnt / "ckpt" / "weights").read_bytes() == weights  # this node reads its own writes
+        subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(mnt / "ckpt")], check=True,
+                       env={**os.environ, **env}, timeout=120)
+        assert m.remote_bytes("ckpt/weights") == weights
