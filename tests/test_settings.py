@@ -31,6 +31,11 @@ TEXT = {"file_mode": "0600", "dir_mode": "0700", "chunk_size": "1M", "cache_size
         "cache_min_free": "2M", "max_file_size": "1T"}
 
 
+# The GLOBS settings: each flag given once per glob.
+GLOBS_FLAGS = {"immutable": "--immutable", "commit_markers": "--commit-marker", "write_back_hold": "--write-back-hold",
+               "write_back_paths": "--write-back-path"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +57,7 @@ def samples(tmp: Path) -> dict[str, Any]:
         "metrics_addr": "127.0.0.2", "connect_timeout": 11.5, "read_timeout": 12.5, "retries": 3,
         "mount_timeout": 45.5, "drain_timeout": 100.5, "commit_retry_interval": 10.5,
         "write_back": True, "write_back_uploads": 4, "write_back_delay": 0.5, "commit_markers": ["**/DONE"],
-        "write_back_hold": ["**/*.tmp/**"], "write_back_max_bytes": 1 << 30,
+        "write_back_hold": ["**/*.tmp/**"], "write_back_max_bytes": 1 << 30, "write_back_paths": ["ckpt/**", "*.bin"],
         # Only the names of storage options are published (they may hold credentials).
         "storage_options": {"auto_mkdir": True},
         # The read path's switches: a local remote has none of those paths, so they change nothing else.
@@ -84,8 +89,8 @@ def flag_args(values: dict[str, Any], names: list[str]) -> list[str]:
             continue
         if isinstance(value, bool):
             args.append(dashed(name) if value else "--no-" + dashed(name)[2:])
-        elif name in ("immutable", "commit_markers", "write_back_hold"):  # (GLOBS: the flag repeated)
-            flag = {"immutable": "--immutable", "commit_markers": "--commit-marker"}.get(name, "--write-back-hold")
+        elif name in GLOBS_FLAGS:  # (GLOBS: the flag repeated)
+            flag = GLOBS_FLAGS[name]
             args += [a for glob in value for a in (flag, glob)]
         elif name == "storage_options":
             args += [a for k, v in value.items() for a in ("-o", f"{k}={json.dumps(v)}")]
@@ -113,7 +118,7 @@ def env_vars(values: dict[str, Any], names: list[str]) -> dict[str, str]:
         value = values[name]
         if isinstance(value, bool):
             out["MARINFS_" + name.upper()] = "true" if value else "false"
-        elif name in ("immutable", "commit_markers", "write_back_hold"):
+        elif name in GLOBS_FLAGS:
             out["MARINFS_" + name.upper()] = ",".join(value)
         elif name == "storage_options":
             out["MARINFS_STORAGE_OPTIONS"] = json.dumps(value)

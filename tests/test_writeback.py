@@ -25,9 +25,10 @@ MARKERS = ("**/.executor_status", "**/_SUCCESS")
 
 
 class Gate:
-    """Holds the remote's uploads until opened, and records the order of uploads and deletes."""
+    """Holds the remote's uploads (those whose key ``holds`` answers True) until opened, and
+    records the order of uploads and deletes."""
 
-    def __init__(self, remote: Remote) -> None:
+    def __init__(self, remote: Remote, holds: Any = lambda key: True) -> None:
         self.open = threading.Event()
         self.events: list[tuple[str, str]] = []
         self.fail: set[str] = set()
@@ -35,7 +36,8 @@ class Gate:
         upload, delete = remote.upload, remote.delete
 
         def gated_upload(local: str, key: str, *args: Any, **kwargs: Any) -> Any:
-            self.open.wait(30)
+            if holds(key):
+                self.open.wait(30)
             if key in self.fail:
                 raise OSError(errno.EIO, "injected", key)
             out = upload(local, key, *args, **kwargs)
@@ -591,4 +593,190 @@ def test_status_shows_the_write_back_queue() -> None:
     item = {"mountpoint": "/m", "remote": "s3://b/p",
             "uploads": {"pending": ["a", "b"], "failed": [], "conflicts": [], "write_back": {"queued": 2, "uploaded": 7}}}
     assert "  write-back: 2 queued or uploading, 7 ended" in format_status([item]).splitlines()
+    item["uploads"]["write_back"]["paths"] = ["ckpt/**", "*.bin"]  # --write-back-path
+    assert "  write-back (paths ckpt/**, *.bin only): 2 queued or uploading, 7 ended" in format_status([item]).splitlines()
 
+
+
+# -- write-back for some paths (--write-back-path) -----------------------------------------------
+SCOPE = ("ckpt/**",)
+
+
+def in_scope(key: str) -> bool:
+    return key.startswith("ckpt/")
+
+
+@pytest.fixture
+@tiers.needs("core")
+def scoped(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
+    """Write-back for ckpt/** only: the uploads of files there are held until the gate opens;
+    every other file is committed at its close, as in the default mode."""
+    gate = Gate(remote, holds=in_scope)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back_paths=SCOPE, write_back_uploads=4,
+                    write_back_delay=5.0, commit_markers=MARKERS, drain_timeout=30)
+    try:
+        yield fs, gate
+    finally:
+        gate.open.set()
+        fs.close_all()
+
+
+@pytest.mark.core
+def test_the_write_back_paths_decide_per_file_and_write_back_alone_means_every_file(
+        remote: Remote, tmp_path: Path) -> None:
+    def writes_back(**kwargs: Any) -> list[bool] | None:
+        fs = Filesystem(remote, staging_dir=tmp_path / "staging", **kwargs)
+        try:
+            if fs.writes.write_back is None:
+                return None  # no queue at all: the default mode everywhere
+            return [fs.writes.writes_back(k) for k in ("ckpt/a", "ckpt/d/b", "logs/c", "ckpt")]
+        finally:
+            fs.close_all()
+
+    assert writes_back() is None
+    assert writes_back(write_back=True) == [True, True, True, True]
+    assert writes_back(write_back_paths=SCOPE) == [True, True, False, False]
+    assert writes_back(write_back=True, write_back_paths=SCOPE) == [True, True, False, False]  # still narrowed
+
+
+def test_only_files_under_the_write_back_paths_return_from_close_before_the_bucket_has_them(
+        scoped: tuple[Filesystem, Gate], remote: Remote, tmp_path: Path) -> None:
+    fs, gate = scoped
+    fs.mkdir("/ckpt")
+    fs.mkdir("/logs")
+    write(fs, "/ckpt/a", b"weights")  # returns with its upload held
+    write(fs, "/logs/b", b"line")  # returns once it is in the bucket
+    assert stored(remote, "ckpt/a") is None and stored(remote, "logs/b") == b"line"
+    fh = fs.create("/logs/c", CREAT).fh
+    fs.write(fh, b"synced", 0)
+    fs.fsync(fh)  # the default mode's fsync: the bucket
+    assert stored(remote, "logs/c") == b"synced"
+    fs.release(fh)
+    fh = fs.create("/ckpt/d", CREAT).fh
+    fs.write(fh, b"local", 0)
+    fs.fsync(fh)  # write-back's fsync: the local disk
+    assert stored(remote, "ckpt/d") is None
+    fs.flush(fh)
+    fs.release(fh)
+    status = fs.upload_status()["write_back"]
+    assert status["queued"] == 2 and status["paths"] == ["ckpt/**"]
+    gate.open.set()
+    assert fs.sync("/ckpt") == b"0"
+    assert stored(remote, "ckpt/a") == b"weights" and stored(remote, "ckpt/d") == b"local"
+    assert fs.upload_status()["write_back"]["queued"] == 0
+
+
+def test_a_file_renamed_out_of_the_write_back_paths_is_in_the_bucket_when_the_rename_returns(
+        scoped: tuple[Filesystem, Gate], remote: Remote) -> None:
+    """Its new name promises what a close there promises: the rename uploads it (after every
+    upload closed before it), while a rename inside the paths returns at once, re-targeted."""
+    fs, gate = scoped
+    fs.mkdir("/ckpt")
+    fs.mkdir("/ckpt/tmp-dir")
+    fs.mkdir("/out")
+    write(fs, "/ckpt/earlier", b"closed before")
+    write(fs, "/ckpt/x.tmp", b"leaves")
+    write(fs, "/ckpt/tmp-dir/p", b"tree leaves")
+    write(fs, "/ckpt/y.tmp", b"stays")
+    if not remote.renames_in_place:  # (a local disk renames what it holds: committed, then rename(2))
+        fs.rename("/ckpt/y.tmp", "/ckpt/y")  # inside: re-targeted at once, nothing in the bucket yet
+        assert stored(remote, "ckpt/y") is None
+    renamed = threading.Event()
+
+    def rename_out() -> None:
+        fs.rename("/ckpt/x.tmp", "/out/x")
+        fs.rename("/ckpt/tmp-dir", "/out/dir")
+        renamed.set()
+
+    threading.Thread(target=rename_out, daemon=True).start()
+    assert not renamed.wait(0.5)  # waits for its upload, held by the gate
+    gate.open.set()
+    assert renamed.wait(20)
+    assert stored(remote, "out/x") == b"leaves" and stored(remote, "out/dir/p") == b"tree leaves"
+    assert stored(remote, "ckpt/x.tmp") is None and stored(remote, "ckpt/tmp-dir/p") is None
+    assert stored(remote, "ckpt/earlier") == b"closed before"  # what was closed before it landed first
+    assert fs.read(fs.open("/out/x", os.O_RDONLY).fh, 100, 0) == b"leaves"
+    fs.sync("/")
+    assert stored(remote, "ckpt/y" if not remote.renames_in_place else "ckpt/y.tmp") == b"stays"
+
+
+def test_a_rename_out_of_the_write_back_paths_whose_upload_fails_is_eio_and_moves_nothing(
+        scoped: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = scoped
+    gate.open.set()
+    gate.fail.add("ckpt/x.tmp")
+    fs.mkdir("/ckpt")
+    write(fs, "/ckpt/x.tmp", b"kept")
+    with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+        fs.rename("/ckpt/x.tmp", "/x")
+    assert stored(remote, "x") is None and [f["key"] for f in fs.upload_status()["failed"]] == ["ckpt/x.tmp"]
+    assert fs.read(fs.open("/ckpt/x.tmp", os.O_RDONLY).fh, 100, 0) == b"kept"  # still this node's, at its name
+    gate.fail.clear()
+    fs.retry_failed_commits()
+    assert stored(remote, "ckpt/x.tmp") == b"kept"
+
+
+def test_a_delete_outside_the_write_back_paths_never_overtakes_an_upload_closed_before_it(
+        scoped: tuple[Filesystem, Gate], remote: Remote) -> None:
+    """The barrier rule is mount-wide: an old file outside the paths is not deleted from the
+    bucket while a new checkpoint closed before the delete is incomplete there."""
+    fs, gate = scoped
+    fs.mkdir("/old")
+    write(fs, "/old/a", b"old")  # the default mode: in the bucket at its close
+    assert stored(remote, "old/a") == b"old"
+    fs.mkdir("/ckpt")
+    for i in range(3):
+        write(fs, f"/ckpt/p{i}", b"new")
+    removed = threading.Event()
+    threading.Thread(target=lambda: (fs.unlink("/old/a"), removed.set()), daemon=True).start()
+    assert not removed.wait(0.3) and stored(remote, "old/a") == b"old"
+    gate.open.set()
+    assert removed.wait(10)
+    order = [e for e in gate.events if e == ("delete", "old/a") or e[1].startswith("ckpt/")]
+    assert order.index(("delete", "old/a")) > max(order.index(("put", f"ckpt/p{i}")) for i in range(3))
+
+
+def test_a_commit_marker_outside_the_write_back_paths_lands_after_the_files_closed_before_it(
+        scoped: tuple[Filesystem, Gate], remote: Remote) -> None:
+    fs, gate = scoped
+    fs.mkdir("/ckpt")
+    for i in range(3):
+        write(fs, f"/ckpt/p{i}", b"shard")
+    closed = threading.Event()
+    threading.Thread(target=lambda: (write(fs, "/_SUCCESS", b"ok"), closed.set()), daemon=True).start()
+    assert not closed.wait(0.3) and stored(remote, "_SUCCESS") is None
+    gate.open.set()
+    assert closed.wait(10) and stored(remote, "_SUCCESS") == b"ok"  # its close: the bucket, last
+    puts = [k for kind, k in gate.events if kind == "put"]
+    assert puts[-1] == "_SUCCESS" and sorted(puts[:-1]) == [f"ckpt/p{i}" for i in range(3)]
+
+
+@pytest.mark.mount
+def test_through_a_mount_only_a_close_under_a_write_back_path_returns_before_the_bucket_has_it(
+        request: pytest.FixtureRequest, s3_server: Any, tmp_path: Path) -> None:
+    """--write-back-path alone, on S3, with uploads delayed 10 minutes: a file under the path is
+    still not in the bucket after its close returned, a file elsewhere is in the bucket once its
+    close returns; `marinfs sync` then uploads the first at once."""
+    import subprocess
+    import sys
+
+    from conftest import object_store
+    from mounting import Mounted, fsspec_client, subprocess_mount
+
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    url, options, env = object_store(request, "s3")
+    fs, root = fsspec_client(url, {**options, "use_listings_cache": False})
+    with subprocess_mount(url, mnt, cache, "--write-back-path", "ckpt/**", "--write-back-delay", "600",
+                          env=env) as pid:
+        m = Mounted(mnt=mnt, url=url, fs=fs, root=root, cache_dir=cache, pid=pid, env=env)
+        (mnt / "ckpt").mkdir()
+        (mnt / "logs").mkdir()
+        weights, line = os.urandom(100_000), b"step 1 done\n"
+        (mnt / "ckpt" / "weights").write_bytes(weights)  # close returned; the upload waits 600 s
+        (mnt / "logs" / "train.log").write_bytes(line)  # close returned once it was in the bucket
+        assert m.remote_bytes("logs/train.log") == line
+        assert not m.remote_exists("ckpt/weights")
+        assert (mnt / "ckpt" / "weights").read_bytes() == weights  # this node reads its own writes
+        subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(mnt / "ckpt")], check=True,
+                       env={**os.environ, **env}, timeout=120)
+        assert m.remote_bytes("ckpt/weights") == weights

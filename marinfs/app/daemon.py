@@ -168,7 +168,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     max_file_size=cfg.max_file_size, write_back=cfg.write_back,
                     write_back_uploads=cfg.write_back_uploads, write_back_delay=cfg.write_back_delay,
                     commit_markers=cfg.commit_markers, write_back_hold=cfg.write_back_hold,
-                    write_back_max_bytes=cfg.write_back_max_bytes,
+                    write_back_max_bytes=cfg.write_back_max_bytes, write_back_paths=cfg.write_back_paths,
                     list_prefetch=cfg.list_prefetch and remote.object_store,
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
     fs.finish_renames()  # directory renames an earlier run left midway

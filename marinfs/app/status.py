@@ -96,7 +96,8 @@ def format_status(items: list[dict[str, Any]]) -> str:
                          f"{len(conflicts)} conflicts")
             wb = up.get("write_back")
             if wb is not None:  # --write-back: closed files not yet in the bucket (`marinfs sync` waits for them)
-                lines.append(f"  write-back: {wb['queued']} queued or uploading, {wb['uploaded']} ended")
+                only = f" (paths {', '.join(wb['paths'])} only)" if wb.get("paths") else ""
+                lines.append(f"  write-back{only}: {wb['queued']} queued or uploading, {wb['uploaded']} ended")
             lines += [format_committing(c, time.time()) for c in up.get("committing", [])]
             lines += [format_failed(f) for f in up["failed"]]
             lines += [f"    delete of {d['key']} failed ({d['error']}); tried again, and at the next start"

@@ -180,6 +180,16 @@ class MountConfig:
         doc="close returns once the bytes are staged and journaled; uploads run in the background, in "
             "closing order; unlink, rmdir, rename, a commit marker's close, `marinfs sync` and unmount "
             "wait for what was closed before them (see [semantics.md](semantics.md#write-back))")
+    # Write-back for some paths only (docs/semantics.md#write-back-for-some-paths): alone it turns
+    # write-back on for the files matching; with --write-back too, it still narrows it to them.
+    write_back_paths: tuple[str, ...] = setting(
+        (), kind=GLOBS, flag="--write-back-path", routes=_NOT_FSTAB,
+        doc_default="none (`--write-back`: every path)",
+        help="write back only files matching (repeatable); given alone it turns write-back on for them",
+        doc="paths (repeatable; in a file a list) whose files are written back; every other file keeps "
+            "the default mode (close returns once it is in the bucket). Given alone it turns write-back "
+            "on for them; with `--write-back` too, write-back is still for them only (see "
+            "[semantics.md](semantics.md#write-back-for-some-paths))")
     write_back_uploads: int = setting(16, kind=INT, low=1, high=256,
                                       help="background uploads at once (--write-back)")
     # rclone's --vfs-write-back: a file renamed meanwhile (a temporary checkpoint directory) is sent

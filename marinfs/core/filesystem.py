@@ -63,7 +63,7 @@ class Filesystem:
                  uid: int | None = None, gid: int | None = None, max_file_size: int = 5 << 40,
                  write_back: bool = False, write_back_uploads: int = 16, write_back_delay: float = 0.0,
                  commit_markers: tuple[str, ...] = (), write_back_hold: tuple[str, ...] = (),
-                 write_back_max_bytes: int = 0) -> None:
+                 write_back_max_bytes: int = 0, write_back_paths: tuple[str, ...] = ()) -> None:
         self.remote = remote
         self.read_only = read_only
         self.staging_dir = staging_dir
@@ -84,7 +84,7 @@ class Filesystem:
         self.writes = Writes(self._lock, remote, self.metadata, self.kernel, staging_dir, max_file_size,
                              write_back=write_back, write_back_uploads=write_back_uploads,
                              write_back_delay=write_back_delay, write_back_hold=write_back_hold,
-                             write_back_max_bytes=write_back_max_bytes,
+                             write_back_max_bytes=write_back_max_bytes, write_back_paths=write_back_paths,
                              commit_markers=commit_markers)
         self.kernel.staged = self.writes.staged
         self.namespace = Namespace(self._lock, remote, self.metadata, self.listings, self.handles, self.kernel,

@@ -269,11 +269,15 @@ class Namespace:
     # -- names made and removed ----------------------------------------------------------------
     def unlink(self, path: str, now: bool = False) -> None:
         """unlink(2); in write-back the delete is queued (write/deletes.py) unless ``now`` (a
-        rename replacing the file, after its barrier: the name is taken again at once)."""
+        rename replacing the file, after its barrier: the name is taken again at once). A delete
+        never overtakes an upload closed before it: queued behind them, or sent after them."""
         key = key_of(path)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
+        deferred = self.writes.deletes is not None and not now and not info.link and self.writes.writes_back(key)
+        if not deferred:
+            self.writes.barrier()
         if info.link:
             try:
                 self.remote.delete_link(key)
@@ -283,7 +287,7 @@ class Namespace:
             return
         staged = self.writes.unlinked(key)
         kept = self.writes.drop_kept(key)
-        if self.writes.deletes is not None and not now:  # write-back: sent behind the uploads closed before it
+        if deferred:  # write-back: sent behind the uploads closed before it
             self.writes.deletes.delete(key, False, info.version if staged is None and not kept else None)
             self.metadata.removed_own(key)
             entries_changed(self.remote, self.metadata, key)
@@ -332,9 +336,10 @@ class Namespace:
         if not info.is_dir:
             raise FsError(errno.ENOTDIR, key)
         self.check_empty(key)
-        if self.writes.deletes is not None:  # write-back: after the deletes of what was in it
+        if self.writes.deletes is not None and self.writes.writes_back(key):  # queued, after what was in it
             self.writes.deletes.delete(key, True, None)
         else:
+            self.writes.barrier()  # (write-back elsewhere: after the uploads closed before it)
             self.remote.remove_dir(key)
         self.metadata.invalidate_tree(key)
         entries_changed(self.remote, self.metadata, key)

@@ -85,8 +85,12 @@ class Renamer:
         if retargeted is not None:
             copies = retargeted
         else:
-            # A rename's deletes never overtake an upload closed before it (write-back).
+            # A rename's deletes never overtake an upload closed before it (write-back, mount-wide).
+            # A file not uploaded yet whose new name is not written back is uploaded by it too:
+            # the new name promises what a close there promises (then copied, as in the default mode).
             self.writes.barrier()
+            if not info.is_dir and self.writes.kept(src) is not None:  # (its upload failed meanwhile)
+                raise FsError(errno.EIO, f"{src}: its upload failed; its bytes are kept and retried (marinfs status)")
             copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
         self._follow(self._moves(copies))
         if in_place:
@@ -157,7 +161,10 @@ class Renamer:
         the bucket; what of the tree is in the bucket already is moved as before. Answers the
         copies made, or None where this does not apply (the caller renames as in the default
         mode). The staged files are held meanwhile (in key order; an upload under way ends
-        first), a replaced target's too: the new bytes then replace what it left in the bucket."""
+        first), a replaced target's too: the new bytes then replace what it left in the bucket.
+        Only files whose new name is written back (``--write-back-path``) are re-targeted: one
+        that leaves write-back is uploaded before the rename returns, as the caller's default
+        rename does (its barrier, then the commit and the copy)."""
         if self.writes.write_back is None or self.remote.renames_in_place or info.link:
             return None  # (a local disk renames what it holds in one rename(2))
         if self.writes.deletes is not None and (self.writes.deletes.near(src) or self.writes.deletes.near(dst)):
@@ -180,7 +187,8 @@ class Renamer:
                 held.enter_context(staged.lock)
             if any(staged.key != key for key, staged in held_files):
                 return None  # (moved meanwhile)
-            new = {key for key, staged in pending if self.writes.not_uploaded(staged)}
+            new = {key for key, staged in pending
+                   if self.writes.not_uploaded(staged) and self.writes.writes_back(dst + key[len(src):])}
             if info.is_dir:
                 if any(staged.dirty and key not in new for key, staged in pending):
                     return None  # (new bytes of a file in the bucket: committed, then copied, as before)

@@ -1,10 +1,11 @@
 """Writes: the staged files of this mount, their commits, and the commits that failed.
 
 Default mode: a close (flush) commits, and returns the upload's error. Write-back
-(``--write-back``): a close queues the file for a background upload (write/writeback.py) and
-returns; a file matching a ``--commit-marker`` glob is committed at its close after everything
-closed before it; ``barrier`` waits for what was closed before it (unlink, rmdir, rename,
-``marinfs sync``, unmount).
+(``--write-back``, or only for the files matching ``--write-back-path``: ``writes_back`` decides
+per key): a close queues the file for a background upload (write/writeback.py) and returns; a
+file matching a ``--commit-marker`` glob is committed at its close after everything closed
+before it; ``barrier`` waits for what was closed before it (unlink, rmdir, rename, ``marinfs
+sync``, unmount), mount-wide whatever the mode of the path it is taken for.
 
 ``staged`` (key -> the file's staged bytes, shared by its writers) and ``failed_commits`` and
 ``conflicts`` are guarded by the mount's table lock (``lock``); a staged file has its own lock,
@@ -71,7 +72,8 @@ class Writes:
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, kernel: KernelView,
                  staging_dir: Path, max_file_size: int, write_back: bool = False, write_back_uploads: int = 16,
                  write_back_delay: float = 0.0, commit_markers: Sequence[str] = (),
-                 write_back_hold: Sequence[str] = (), write_back_max_bytes: int = 0) -> None:
+                 write_back_hold: Sequence[str] = (), write_back_max_bytes: int = 0,
+                 write_back_paths: Sequence[str] = ()) -> None:
         self.lock = lock
         self.remote = remote
         self.metadata = metadata
@@ -86,9 +88,14 @@ class Writes:
         self._markers = [compile_glob(g) for g in commit_markers]
         self._holds = [compile_glob(g) for g in write_back_hold]
         self.write_back_max_bytes = write_back_max_bytes  # closed, not uploaded; 0: no bound
+        # --write-back-path: only the files matching are written back (given alone, it turns
+        # write-back on for them; with --write-back too, it still narrows it); none: every file.
+        self.write_back_paths = tuple(write_back_paths)
+        self._scope = [compile_glob(g) for g in write_back_paths]
+        # The queue exists wherever some file may be written back: its barriers are mount-wide.
         self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
                                      hold=self.is_held)
-                           if write_back else None)
+                           if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
         self.deletes = DeferredDeletes(staging_dir, remote, self.write_back) if self.write_back is not None else None
 
@@ -129,13 +136,13 @@ class Writes:
         """A new file's parts go up while it is written in the default mode (its close waits
         for the bucket); in write-back they wait for the close and its delay: a file renamed
         meanwhile (Orbax's temporary directory) would have sent its parts to the old name."""
-        return self.remote.part_stream if self.remote.streams and self.write_back is None else None
+        return self.remote.part_stream if self.remote.streams and not self.writes_back(key) else None
 
     def release(self, staged: StagedFile) -> None:
         """A writer closed: the last one commits what raced its close and drops the staged
         file, or keeps its bytes (with their journal) in ``failed_commits``. In write-back the
         upload queue holds its own reference, and releases it once it uploaded the file."""
-        if self.write_back is not None and self._uploadable(staged):
+        if self.writes_back(staged.key) and self._uploadable(staged):
             self._schedule(staged)
         with self.lock:
             if staged.let_go() > 0:
@@ -229,12 +236,15 @@ class Writes:
 
     # -- commits ----------------------------------------------------------------------------------
     def flush(self, staged: StagedFile) -> None:
-        """close(2): commit (default mode; a commit marker in write-back, after everything
-        closed before it), or queue the upload (write-back) once the bytes are staged."""
-        if self.write_back is None:
-            self.commit(staged)
-        elif self.is_marker(staged.key) and not self.is_held(staged.key):
+        """close(2): commit (a path in the default mode; a commit marker, after everything
+        closed before it wherever write-back is on, its own path in it or not), or queue the
+        upload (a path in write-back) once the bytes are staged."""
+        key = staged.key
+        if self.write_back is not None and self.is_marker(key) and not self.is_held(key):
             self.write_back.barrier()
+            self.commit(staged)
+        elif not self.writes_back(key):
+            self.settle(key)  # (a delete of it queued: not after this commit)
             self.commit(staged)
         elif self._uploadable(staged):
             self._schedule(staged)
@@ -247,12 +257,20 @@ class Writes:
         """fsync(2): the bucket in the default mode; in write-back the bytes and their journal
         on the local disk (what TensorStore's fsync of every file it writes then costs), so a
         crash of the daemon or the machine loses nothing the next start cannot upload."""
-        if self.write_back is None or self.is_marker(staged.key):
+        if not self.writes_back(staged.key) or self.is_marker(staged.key):
             self.flush(staged)
         elif staged.failed_write:  # a write that never reached the staging file: not durable
             raise OSError(staged.failed_write, f"a write to {staged.key} failed; not committed")
         else:
             staged.sync_local()
+
+    def writes_back(self, key: str) -> bool:
+        """A close of ``key`` queues its upload (write-back) rather than committing it: every key
+        with ``--write-back`` alone, only those matching ``--write-back-path`` where it is given,
+        none without either."""
+        if self.write_back is None:
+            return False
+        return not self._scope or any(glob.match(key) for glob in self._scope)
 
     def is_marker(self, key: str) -> bool:
         """A file others take as a commit point (``--commit-marker``)."""
@@ -537,7 +555,8 @@ class Writes:
             conflicts = list(self.conflicts)
         out = {"pending": pending, "failed": failed, "conflicts": conflicts}
         if self.write_back is not None:  # files closed and not uploaded yet, and uploads ended
-            out["write_back"] = {"queued": self.write_back.pending(), "uploaded": self.write_back.uploaded}
+            out["write_back"] = {"queued": self.write_back.pending(), "uploaded": self.write_back.uploaded,
+                                 "paths": list(self.write_back_paths)}  # (none: every path)
         if self.deletes is not None:  # deletes that failed: kept, tried again
             out["failed_deletes"] = [{"key": d.key, "error": d.error, "since": d.since} for d in self.deletes.failed()]
         return out
