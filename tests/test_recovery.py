@@ -410,3 +410,23 @@ def test_a_transient_commit_failure_is_retried_and_reported_each_time(
     assert not failed["permanent"] and failed["attempts"] == 3 and "reset" in failed["error"]
     assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == ["ERROR", "WARNING", "WARNING"]
     assert "retrying" in format_failed(failed)
+
+
+@tiers.needs("unit")
+def test_a_journal_is_rewritten_in_place_and_reads_back_whole_longer_or_shorter(tmp_path: Path) -> None:
+    """A rewrite that fits a page is one pwrite over the old journal (same inode, no rename),
+    padded to the old length; a shorter entry still reads back exactly; one past a page is
+    written anew (temp + rename)."""
+    from marinfs.write.staging import IN_PLACE, write_journal
+
+    path = str(tmp_path / "x.journal.json")
+    write_journal(path, {"key": "k", "attrs": {"mode": 0o644, "mtime": "1" * 100}})
+    inode = os.stat(path).st_ino
+    write_journal(path, {"key": "k"})  # shorter: padded with blanks
+    assert os.stat(path).st_ino == inode and json.loads(Path(path).read_text()) == {"key": "k"}
+    write_journal(path, {"key": "k", "attrs": {"mode": 0o600, "mtime": "2" * 300}})  # longer, same page
+    assert os.stat(path).st_ino == inode and json.loads(Path(path).read_text())["attrs"]["mode"] == 0o600
+    big = {"key": "k", "uploads": {"u": "x" * IN_PLACE}}
+    write_journal(path, big)
+    assert os.stat(path).st_ino != inode and json.loads(Path(path).read_text()) == big
+    assert not list(tmp_path.glob("*.tmp"))
