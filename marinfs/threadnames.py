@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import concurrent.futures as cf
 import threading
 from collections.abc import Callable
+from typing import Any
 
 _PR_SET_NAME = 15
 _COMM_MAX = 15  # the kernel keeps 15 bytes of a thread's name (TASK_COMM_LEN - 1)
@@ -40,3 +42,19 @@ def start_thread(target: Callable[..., object], name: str, *args: object) -> thr
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+AT_ONCE = 16  # calls at once: the requests of one step of a tree rename
+
+
+def each_at_once(fn: Callable[[Any], Any], keys: list[Any]) -> list[Any]:
+    """``fn`` of every key on threads of their own, up to AT_ONCE at once (remote requests: a
+    round trip for them all, not one each); every call ends before this returns, and the first
+    failure is then raised."""
+    if len(keys) <= 1:
+        return [fn(k) for k in keys]
+    with cf.ThreadPoolExecutor(max_workers=min(AT_ONCE, len(keys)),
+                               thread_name_prefix="tree", initializer=name_current) as pool:
+        futures = [pool.submit(fn, k) for k in keys]
+        cf.wait(futures)
+    return [f.result() for f in futures]

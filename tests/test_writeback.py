@@ -485,6 +485,71 @@ def test_files_under_a_temporary_checkpoint_directory_wait_for_its_rename(remote
         fs.close_all()
 
 
+def test_directories_made_in_a_temporary_checkpoint_directory_reach_the_bucket_with_its_rename(
+        remote: Remote, tmp_path: Path) -> None:
+    """Orbax's shape: step.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt/d, renamed to
+    .../default, then the step renamed into place. Directories made inside the temporary one are
+    this node's until the rename takes them out: no marker made, none renamed, none deleted."""
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=60.0,
+                    write_back_hold=("**/*.orbax-checkpoint-tmp*/**",))
+    try:
+        fs.mkdir("/s.orbax-checkpoint-tmp")
+        fs.mkdir("/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp")
+        fs.mkdir("/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt", 0o750)
+        fs.mkdir("/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt/d")
+        fs.mkdir("/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/empty")
+        write(fs, "/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt/d/chunk", b"weights")
+        fs.rmdir("/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/empty")
+        inner = "/s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp"
+        assert [posixpath.basename(c.name) for c in fs.readdir(inner)] == ["ocdbt"]
+        assert fs.getattr(inner + "/ocdbt/d").is_dir
+        with pytest.raises(OSError) as err:
+            fs.rmdir(inner + "/ocdbt")
+        assert err.value.errno == errno.ENOTEMPTY
+        assert not remote.fs.exists(remote.full("s.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp"))
+        before = remote.stats.snapshot()["requests"]
+        fs.rename(inner, "/s.orbax-checkpoint-tmp/default")  # still inside the temporary one
+        spent = {k: v - before.get(k, 0) for k, v in remote.stats.snapshot()["requests"].items()}
+        assert sum(spent.values()) <= 1, spent  # (one listing: is anything of it in the bucket)
+        assert not remote.fs.exists(remote.full("s.orbax-checkpoint-tmp/default"))
+        fs.rename("/s.orbax-checkpoint-tmp", "/s")
+        assert remote.fs.isdir(remote.full("s/default/ocdbt/d"))  # made by the rename out
+        fs.sync("/")
+        assert stored(remote, "s/default/ocdbt/d/chunk") == b"weights"
+        assert fs.getattr("/s/default/ocdbt").posix.mode == 0o750
+        assert not remote.fs.exists(remote.full("s.orbax-checkpoint-tmp"))
+        assert remote.stats.count("copy") == 0
+    finally:
+        fs.close_all()
+
+
+def test_a_barrier_before_the_rename_makes_the_directories_of_what_it_sends(remote: Remote, tmp_path: Path) -> None:
+    """`marinfs sync` while a temporary checkpoint directory is being written: its files go up
+    under their temporary names with their directories, and the rename then moves them."""
+    if remote.renames_in_place:
+        pytest.skip("a local disk renames what it holds in one rename(2): nothing to re-target")
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=60.0,
+                    write_back_hold=("**/*.orbax-checkpoint-tmp*/**",))
+    try:
+        fs.mkdir("/t.orbax-checkpoint-tmp")
+        fs.mkdir("/t.orbax-checkpoint-tmp/a")
+        fs.mkdir("/t.orbax-checkpoint-tmp/a/b")
+        write(fs, "/t.orbax-checkpoint-tmp/a/b/f", b"early")
+        fs.sync("/")
+        assert stored(remote, "t.orbax-checkpoint-tmp/a/b/f") == b"early"
+        assert [posixpath.basename(c.name) for c in fs.readdir("/t.orbax-checkpoint-tmp/a/b")] == ["f"]
+        write(fs, "/t.orbax-checkpoint-tmp/a/g", b"late")
+        fs.rename("/t.orbax-checkpoint-tmp", "/t")
+        fs.sync("/")
+        assert stored(remote, "t/a/b/f") == b"early" and stored(remote, "t/a/g") == b"late"
+        assert not remote.fs.exists(remote.full("t.orbax-checkpoint-tmp/a/b/f"))
+        assert sorted(posixpath.basename(c.name) for c in fs.readdir("/t/a")) == ["b", "g"]
+    finally:
+        fs.close_all()
+
+
 def test_a_full_staging_area_makes_a_close_wait_for_room_not_fail(remote: Remote, tmp_path: Path) -> None:
     gate = Gate(remote)
     fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=5.0,

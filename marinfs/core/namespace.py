@@ -96,7 +96,7 @@ class Namespace:
             return staged_info(staged)
         if self.writes.is_gone(key):  # (deleted here; the bucket has it until its delete's turn)
             return None
-        return self.writes.kept_info(key) or self.metadata.get_stat(key)
+        return self.writes.local_dir(key) or self.writes.kept_info(key) or self.metadata.get_stat(key)
 
     def lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -158,6 +158,9 @@ class Namespace:
         key = key_of(path)
         if not self.lookup(key).is_dir:
             raise FsError(errno.ENOTDIR, key)
+        if self.writes.local_dir(key) is not None:  # (nothing of it in the bucket to list)
+            children = self.writes.local_dirs_in(key) + [staged_info(s) for s in self.writes.in_dir(key)]
+            return [self.kernel.present(c) for c in children]
         children = self.metadata.get_listing(key)
         if children is None and self.listings is not None:
             # A background listing that landed between the lookup above and wait() is gone
@@ -178,6 +181,9 @@ class Namespace:
         for kept in self.writes.kept_in(key):  # and those whose commit failed (kept, retried)
             if posixpath.basename(kept.name) not in names:
                 children.append(kept)
+        for local in self.writes.local_dirs_in(key):  # and directories with no marker yet
+            if posixpath.basename(local.name) not in names:
+                children.append(local)
         return [self.kernel.present(c) for c in children]
 
     def list_now(self, key: str) -> list[ObjectInfo]:
@@ -316,13 +322,15 @@ class Namespace:
         if not key or self.lookup_or_none(key) is not None:
             raise FsError(errno.EEXIST, key)
         self.require_dir(posixpath.dirname(key))
-        self.writes.settle(key)  # (an rmdir of it queued: its marker would go after this one)
-        self.remote.make_dir(key)
         keep = mode is not None and self.remote.stores_posix
         attrs = self.defaults.normalized(PosixAttrs(mode=mode & 0o7777), True) if keep else NO_ATTRS
-        if not attrs.empty:
-            self.remote.set_dir_attrs(key, attrs)
-        self.metadata.put_own(ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns(), posix=attrs))
+        info = ObjectInfo(name=key, is_dir=True, mtime_ns=time.time_ns(), posix=attrs)
+        if self.writes.keeps_local(key):  # (in a temporary directory: made in the bucket by its rename)
+            self.writes.add_local_dir(info)
+        else:
+            self.writes.settle(key)  # (an rmdir of it queued: its marker would go after this one)
+            self.writes.make_dir(info)
+        self.metadata.put_own(info)
         self.metadata.put_listing(key, [])  # we just made it: nothing is in it yet
         entries_changed(self.remote, self.metadata, key)
 
@@ -336,7 +344,9 @@ class Namespace:
         if not info.is_dir:
             raise FsError(errno.ENOTDIR, key)
         self.check_empty(key)
-        if self.writes.deletes is not None and self.writes.writes_back(key):  # queued, after what was in it
+        if self.writes.drop_local_dir(key):
+            pass  # (never in the bucket)
+        elif self.writes.deletes is not None and self.writes.writes_back(key):  # queued, after what was in it
             self.writes.deletes.delete(key, True, None)
         else:
             self.writes.barrier()  # (write-back elsewhere: after the uploads closed before it)
@@ -345,6 +355,10 @@ class Namespace:
         entries_changed(self.remote, self.metadata, key)
 
     def check_empty(self, key: str) -> None:
+        if self.writes.local_dir(key) is not None:
+            if self.writes.any_under(key):
+                raise FsError(errno.ENOTEMPTY, key)
+            return
         try:
             children = self.remote.list(key)
         except FileNotFoundError:

@@ -89,6 +89,8 @@ class Renamer:
             # A file not uploaded yet whose new name is not written back is uploaded by it too:
             # the new name promises what a close there promises (then copied, as in the default mode).
             self.writes.barrier()
+            if info.is_dir:  # (directories made in a temporary one: the bucket's rename moves them)
+                self.writes.materialize_tree(src)
             if not info.is_dir and self.writes.kept(src) is not None:  # (its upload failed meanwhile)
                 raise FsError(errno.EIO, f"{src}: its upload failed; its bytes are kept and retried (marinfs status)")
             copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
@@ -173,12 +175,13 @@ class Renamer:
             if target is not None and not target.is_dir:
                 return None
             pending = self.writes.staged_under(src)
+            has_local = self.writes.has_local_dirs(src)
         else:
             one = self.writes.staged.get(src)
             if one is None or (target is not None and (target.is_dir or target.link)):
                 return None
             pending = [(src, one)]
-        if not pending:
+        if not pending and not (info.is_dir and has_local):
             return None
         replaced = None if info.is_dir else self.writes.staged.get(dst)
         held_files = sorted(pending + ([(dst, replaced)] if replaced is not None else []), key=lambda p: p[0])
@@ -195,9 +198,14 @@ class Renamer:
                 if target is not None:
                     self.namespace.check_empty(dst)
                     self.remote.remove_dir(dst)
-                copies = self._journaled(src, dst)  # what is in the bucket, and the directories
+                if self.writes.local_dir(src) is not None and self._nothing_in_bucket(src):
+                    copies = []  # (a directory made in a temporary one: nothing of it in the bucket)
+                else:
+                    copies = self._journaled(src, dst)  # what is in the bucket, and the directories
                 self.writes.move(src, dst, keys={key for key, _ in pending} - new)
                 self.writes.move(src, dst, retarget=True, keys=new)
+                # Directories made in a temporary directory: the rename out of it makes them.
+                self.writes.make_local_dirs(self.writes.move_local_dirs(src, dst))
                 self._markers_last([staged for key, staged in pending if key in new])
                 return copies
             if not new:
@@ -211,6 +219,10 @@ class Renamer:
             pending[0][1].rebase(base)  # its upload replaces exactly that
             self._markers_last([pending[0][1]])
         return []
+
+    def _nothing_in_bucket(self, tree: str) -> bool:
+        files, _, explicit = self.remote.walk(tree)
+        return not files and not explicit
 
     def _markers_last(self, moved: list[StagedFile]) -> None:
         """A commit marker renamed into place (``_SUCCESS.tmp`` to ``_SUCCESS``, Orbax's

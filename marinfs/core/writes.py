@@ -34,6 +34,7 @@ from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno, interrupted
 from marinfs.meta.metadata import MetadataCache, compile_glob
+from marinfs.threadnames import each_at_once
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.write.deletes import DeferredDeletes, recover_in_order
 from marinfs.write.recovery import Recovered, recover
@@ -84,6 +85,10 @@ class Writes:
         self.failed_commits: list[FailedCommit] = []  # GUARDED_BY(lock): bytes kept on disk, retried
         # GUARDED_BY(lock): commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
+        # GUARDED_BY(lock): directories made under a temporary directory that is renamed into place
+        # (--write-back-hold, write-back): no marker in the bucket until the rename takes them out
+        # of it, so Orbax's mkdirs and the rename of its inner temporary directory send nothing.
+        self.local_dirs: dict[str, ObjectInfo] = {}
         remote.on_upload_session = self._upload_session  # multipart uploads go in the journals
         self._markers = [compile_glob(g) for g in commit_markers]
         self._holds = [compile_glob(g) for g in write_back_hold]
@@ -189,7 +194,77 @@ class Writes:
 
     def any_under(self, key: str) -> bool:
         with self.lock:
-            return any(k.startswith(key + "/") for k in self.staged)
+            return (any(k.startswith(key + "/") for k in self.staged)
+                    or any(k.startswith(key + "/") for k in self.local_dirs))
+
+    # -- directories of a temporary directory --------------------------------------------------------
+    def keeps_local(self, key: str) -> bool:
+        """A directory made at ``key`` stays on this node until renamed out of a held path."""
+        return self.writes_back(key) and self.is_held(key)
+
+    def add_local_dir(self, info: ObjectInfo) -> None:
+        with self.lock:
+            self.local_dirs[info.name] = info
+
+    def local_dir(self, key: str) -> ObjectInfo | None:
+        with self.lock:
+            return self.local_dirs.get(key) if self.local_dirs else None
+
+    def local_dirs_in(self, key: str) -> list[ObjectInfo]:
+        """Local directories directly in directory ``key``."""
+        with self.lock:
+            return [d for k, d in self.local_dirs.items() if posixpath.dirname(k) == key]
+
+    def drop_local_dir(self, key: str) -> bool:
+        with self.lock:
+            return self.local_dirs.pop(key, None) is not None
+
+    def materialize(self, key: str) -> None:
+        """Directory ``key`` and those above it that are local get their markers (and
+        attributes) in the bucket, and leave the table: something in them is about to be."""
+        with self.lock:
+            made = [self.local_dirs[k] for k in _ancestry(key) if k in self.local_dirs]
+        self._make_dirs(made)
+
+    def materialize_tree(self, tree: str) -> None:
+        """The local directories in ``tree`` (itself included) get their markers: the tree is
+        renamed in the bucket, which moves what is there."""
+        with self.lock:
+            made = [d for k, d in self.local_dirs.items() if under(k, tree)]
+        self._make_dirs(made)
+
+    def make_dir(self, info: ObjectInfo) -> None:
+        """Directory ``info``'s marker (and its attributes) in the bucket."""
+        self.remote.make_dir(info.name)
+        if info.posix is not None and not info.posix.empty:
+            self.remote.set_dir_attrs(info.name, info.posix)
+
+    def make_local_dirs(self, made: list[ObjectInfo]) -> None:
+        """Their markers in the bucket (all at once), then off the table."""
+        self._make_dirs(made)
+
+    def _make_dirs(self, made: list[ObjectInfo]) -> None:
+        each_at_once(self.make_dir, sorted(made, key=lambda i: i.name))
+        with self.lock:
+            for info in made:
+                self.local_dirs.pop(info.name, None)
+
+    def has_local_dirs(self, tree: str) -> bool:
+        """A local directory in ``tree`` (itself included)."""
+        with self.lock:
+            return any(under(k, tree) for k in self.local_dirs)
+
+    def move_local_dirs(self, src: str, dst: str) -> list[ObjectInfo]:
+        """A tree rename: the local directories in it (``src`` itself too) follow; answers those
+        whose new name is held no more (``make_local_dirs`` makes them)."""
+        out = []
+        with self.lock:
+            for k in [k for k in self.local_dirs if under(k, src)]:
+                info = replace(self.local_dirs.pop(k), name=dst + k[len(src):])
+                self.local_dirs[info.name] = info
+                if not self.keeps_local(info.name):
+                    out.append(info)
+        return out
 
     def pending(self) -> list[str]:
         """Keys with uncommitted bytes."""
@@ -340,6 +415,8 @@ class Writes:
         if not staged.dirty or staged.unlinked:
             return
         key = staged.key
+        if self.local_dirs:  # (a barrier sends a file of a temporary directory before its rename)
+            self.materialize(posixpath.dirname(key))
         token = self.metadata.begin_stat(key)
         try:
             done = commit_or_conflict(lambda k, expect: staged.commit(self.remote.upload, key=k, expect=expect,
@@ -565,6 +642,15 @@ class Writes:
         """Staging files of files open right now (recovery must leave them to their writers)."""
         with self.lock:
             return frozenset(st.path for st in self.staged.values())
+
+
+def _ancestry(key: str) -> list[str]:
+    """``key`` and the directories above it (not the root)."""
+    out = []
+    while key:
+        out.append(key)
+        key = posixpath.dirname(key)
+    return out
 
 
 def _report_failed(entry: FailedCommit, prev: FailedCommit | None) -> None:

@@ -34,7 +34,7 @@ from marinfs.objects import ABSENT, Copied, ObjectInfo, ObjectVersion, PosixAttr
 from marinfs.remote.parts import PartSession, PartStream
 from marinfs.remote.settings import RemoteSettings
 from marinfs.remote.stats import RequestStats
-from marinfs.threadnames import name_current
+from marinfs.threadnames import each_at_once, name_current
 
 log = logging.getLogger(__name__)
 
@@ -652,16 +652,16 @@ class Remote:
 
         # Each step's requests at once (a round trip each, not one per object), each step whole
         # before the next: every copy is made before the first delete.
-        _each(make, sorted(explicit))  # implicit directories come along with their objects
-        copies = _each(lambda f: self.copy(f, dst + f[len(src):]), files)
-        _each(self.delete, files)
+        each_at_once(make, sorted(explicit))  # implicit directories come along with their objects
+        copies = each_at_once(lambda f: self.copy(f, dst + f[len(src):]), files)
+        each_at_once(self.delete, files)
         # Every directory, implicit ones too (some stores, SeaweedFS, keep empty folders): the
         # deepest first, as a folder with folders in it is not empty.
         by_depth: dict[int, list[str]] = {}
         for d in set(dirs) | {src}:
             by_depth.setdefault(d.count("/"), []).append(d)
         for depth in sorted(by_depth, reverse=True):
-            _each(self.remove_dir, sorted(by_depth[depth]))
+            each_at_once(self.remove_dir, sorted(by_depth[depth]))
         return [c for c in copies if c is not None]
 
     def make_dir(self, key: str) -> None:
@@ -673,21 +673,6 @@ class Remote:
             self._call("rmdir", self.fs.rmdir, self.full(key))
         except FileNotFoundError:
             pass  # an implicit directory: nothing to delete
-
-
-TREE_REQUESTS = 16  # requests at once in one step of a tree rename
-
-
-def _each(fn: Callable[[str], Any], keys: list[str]) -> list[Any]:
-    """``fn`` of every key, up to TREE_REQUESTS at once; every call ends before this returns,
-    and the first failure is then raised."""
-    if len(keys) <= 1:
-        return [fn(k) for k in keys]
-    with cf.ThreadPoolExecutor(max_workers=min(TREE_REQUESTS, len(keys)),
-                               thread_name_prefix="tree", initializer=name_current) as pool:
-        futures = [pool.submit(fn, k) for k in keys]
-        cf.wait(futures)
-    return [f.result() for f in futures]
 
 
 def backend_class(protocol: str) -> type[Remote]:
