@@ -1356,3 +1356,30 @@ def test_fs_a_directory_rename_that_fails_midway_is_reported_and_finished_by_the
     assert not list((tmp_path / "staging").glob("rename-*.json")) and again.upload_status()["renames"] == []
     assert [cat(remote, f"moved/f{i}") for i in range(5)] == [b"bytes %d" % i for i in range(5)]
     assert cat(remote, "dst/f0") is None
+
+
+def test_fs_lookups_of_one_key_at_once_share_one_remote_stat(fs: Filesystem, remote: Remote,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten threads opening files of a directory whose stat expired (a restore) ask once."""
+    put(remote, "d/f", b"x")
+    real_stat, calls = fs.remote.stat, []
+
+    def slow_stat(key: str, **kwargs: Any) -> ObjectInfo:
+        calls.append(key)
+        time.sleep(0.2)
+        return real_stat(key, **kwargs)
+
+    monkeypatch.setattr(fs.remote, "stat", slow_stat)
+    barrier = threading.Barrier(10)
+    seen: list[bool] = []
+
+    def look() -> None:
+        barrier.wait()
+        seen.append(fs.getattr("/d").is_dir)
+
+    threads = [threading.Thread(target=look) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [True] * 10 and calls.count("d") == 1

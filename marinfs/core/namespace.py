@@ -28,6 +28,26 @@ from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.remote import LINK_SUFFIX, Remote
 
 
+FOLLOW_SECONDS = 1.0  # a lookup waits this long at most for the same key's stat under way
+
+
+class _Flight:
+    """One remote stat that other lookups of the same key wait for."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: tuple[ObjectInfo | None, bool] = (None, False)
+        self.error: BaseException | None = None
+
+    def answer(self, timeout: float) -> tuple[ObjectInfo | None, bool] | None:
+        """The shared answer, or None if it did not come within ``timeout`` seconds."""
+        if not self.done.wait(timeout):
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class Namespace:
     """Lookups and the names of the tree."""
 
@@ -48,6 +68,7 @@ class Namespace:
         # GUARDED_BY(lock): link targets read from the remote (an S3 link's body), by key and the
         # link's version: a link object that changed has a new version, so an old target is never answered.
         self._link_targets: LRUCache[tuple[str, str], str] = LRUCache(maxsize=65536)
+        self._stating: dict[str, _Flight] = {}  # GUARDED_BY(lock): remote stats under way, by key
 
     # -- lookups -------------------------------------------------------------------------------
     def lookup(self, key: str) -> ObjectInfo:
@@ -76,7 +97,33 @@ class Namespace:
 
     def ask_stat(self, key: str) -> tuple[ObjectInfo | None, bool]:
         """The remote's stat of ``key`` (None: there is no such key) and whether it was cached:
-        not if this node changed the key while the remote answered."""
+        not if this node changed the key while the remote answered. Stats of one key at once
+        share one answer: ten threads opening files in a directory whose stat expired (a
+        restore) ask the remote once, not ten times."""
+        with self.lock:
+            flight = self._stating.get(key)
+            if flight is None:
+                flight = self._stating[key] = _Flight()
+                leader = True
+            else:
+                leader = False
+        if not leader:
+            answered = flight.answer(FOLLOW_SECONDS)
+            if answered is not None:
+                return answered
+            return self._ask_stat(key)  # (a slow one: not worth waiting for, ask again)
+        try:
+            flight.result = self._ask_stat(key)
+            return flight.result
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self.lock:
+                del self._stating[key]
+            flight.done.set()
+
+    def _ask_stat(self, key: str) -> tuple[ObjectInfo | None, bool]:
         token = self.metadata.begin_stat(key)
         try:
             info = self.remote.stat(key, likely_dir=self.metadata.was_dir(key), likely_link=self.metadata.was_link(key))
