@@ -224,3 +224,58 @@ def test_a_commit_its_writer_interrupted_is_kept_not_retried_in_a_loop(remote: R
     later = Filesystem(remote, staging_dir=tmp_path / "staging")  # the next start tries it once
     later.recover_staged(at_start=True)
     assert bytes(remote.fs.cat_file(remote.full("sparse"))) == b"bytes"
+
+
+# Deferred deletes (unlink and rmdir queued as fences of the upload queue) -----------------------
+def _deferring(remote: Remote, tmp_path: Path, holds: Any = lambda key: key == "pending", **kwargs: Any) -> Any:
+    """A write-back mount whose uploads of ``holds``'s keys wait for the gate: a delete queued
+    behind one of them waits too."""
+    from test_writeback import Gate
+
+    gate = Gate(remote, holds)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=4,
+                    write_back_delay=5.0, drain_timeout=30, **kwargs)
+    return fs, gate
+
+
+def _open_soon(gate: Any, after: float = 0.3) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(after), gate.open.set()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_truncate_by_path_of_a_name_made_again_is_not_undone_by_its_queued_delete(
+        remote: Remote, tmp_path: Path) -> None:
+    """rm f; a new f; truncate(2) of it by path: that truncate commits at once, so it must come
+    after the delete queued before it (which would otherwise remove the new bytes)."""
+    remote.fs.pipe_file(remote.full("f"), b"old bytes")
+    fs, gate = _deferring(remote, tmp_path)
+    try:
+        write(fs, "/pending", b"p")  # held: the delete of f waits for it
+        fs.unlink("/f")
+        write(fs, "/f", b"new bytes")
+        _open_soon(gate)
+        fs.truncate("/f", 3)
+        fs.sync("/")
+        assert stored(remote, "f") == b"new", names(remote)
+    finally:
+        gate.open.set()
+        fs.close_all()
+
+
+def test_a_file_open_at_unmount_over_a_name_deleted_before_it_keeps_its_bytes(
+        remote: Remote, tmp_path: Path) -> None:
+    """A log rotated by rm and a new open, the daemon stopped while the new one is open: the
+    unmount commits it, after the delete queued before it."""
+    remote.fs.pipe_file(remote.full("log"), b"old log")
+    fs, gate = _deferring(remote, tmp_path)
+    try:
+        write(fs, "/pending", b"p")
+        fs.unlink("/log")
+        fh = fs.create("/log", CREAT).fh
+        fs.write(fh, b"new log", 0)
+        _open_soon(gate)
+        fs.close_all()  # (the unmount: the file still open)
+        assert fs.drained and stored(remote, "log") == b"new log", names(remote)
+    finally:
+        gate.open.set()

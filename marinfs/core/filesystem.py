@@ -321,6 +321,7 @@ class Filesystem:
             self.writes.truncate_open(self.handles.get(fh), length)
             return
         key = key_of(path)
+        self.writes.settle(key)  # (committed at once: after a delete of it queued before)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
@@ -387,6 +388,7 @@ class Filesystem:
                 continue
             if handle.staged is not None:
                 try:
+                    self.writes.settle(handle.staged.key)  # (a delete of it queued before: first)
                     self.writes.commit(handle.staged)
                 except Exception:  # noqa: BLE001 - the bytes stay staged; discard() says where
                     log.exception("commit of %s failed at unmount", handle.key)
