@@ -279,3 +279,32 @@ def test_a_file_open_at_unmount_over_a_name_deleted_before_it_keeps_its_bytes(
         assert fs.drained and stored(remote, "log") == b"new log", names(remote)
     finally:
         gate.open.set()
+
+
+def test_a_listing_taken_while_a_delete_waits_does_not_bring_the_name_back_once_it_lands(
+        remote: Remote, tmp_path: Path) -> None:
+    """An `ls` past the listing TTL while the delete waits in the queue lists the bucket, which
+    still has the name (hidden here meanwhile); once the delete lands that listing must not show
+    it again, nor its stat answer for it."""
+    from marinfs.meta.metadata import MetadataCache
+
+    now = [1000.0]
+    metadata = MetadataCache(ttl=60, list_ttl=60, timer=lambda: now[0])
+    for key in ("d/a", "d/b"):
+        remote.fs.pipe_file(remote.full(key), b"x")
+    fs, gate = _deferring(remote, tmp_path, metadata=metadata)
+    try:
+        assert sorted(c.name for c in fs.readdir("/d")) == ["d/a", "d/b"]
+        write(fs, "/pending", b"p")
+        fs.unlink("/d/a")
+        now[0] += 61  # the listing expired: the next ls lists the bucket, the delete still queued
+        assert [c.name for c in fs.readdir("/d")] == ["d/b"]
+        gate.open.set()
+        fs.sync("/")
+        assert stored(remote, "d/a") is None
+        assert [c.name for c in fs.readdir("/d")] == ["d/b"]
+        with pytest.raises(FileNotFoundError):
+            fs.getattr("/d/a")
+    finally:
+        gate.open.set()
+        fs.close_all()

@@ -97,7 +97,8 @@ class Writes:
                                      hold=self.is_held)
                            if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
-        self.deletes = DeferredDeletes(staging_dir, remote, self.write_back) if self.write_back is not None else None
+        self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed)
+                        if self.write_back is not None else None)
 
     # -- staged files ------------------------------------------------------------------------------
     def writer(self, key: str, info: ObjectInfo | None, truncate: bool, attrs: PosixAttrs | None = None) -> StagedFile:
@@ -284,6 +285,14 @@ class Writes:
     def is_gone(self, key: str) -> bool:
         """Deleted here (write-back), the delete not yet in the bucket: not shown."""
         return self.deletes is not None and self.deletes.is_gone(key)
+
+    def _delete_landed(self, key: str, is_dir: bool) -> None:
+        """A queued delete is over: a listing or stat cached while it waited (the bucket still
+        had the name, hidden here) would show the name again once it is no longer gone."""
+        if is_dir:
+            self.metadata.invalidate_tree(key)
+        else:
+            self.metadata.invalidate(key)
 
     def settle(self, key: str) -> None:
         """Before a change that reaches the bucket at once (a directory marker, a link, a

@@ -23,6 +23,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,14 @@ class _Delete:
 class DeferredDeletes:
     """The deletes of one write-back mount not yet in the bucket."""
 
-    def __init__(self, staging_dir: Path, remote: Remote, queue: WriteBack) -> None:
+    def __init__(self, staging_dir: Path, remote: Remote, queue: WriteBack,
+                 landed: Callable[[str, bool], None] = lambda key, is_dir: None) -> None:
         self.staging_dir = staging_dir
         self.remote = remote
         self.queue = queue
+        # Called once a delete is over (before the name shows again): what was cached of the
+        # name while it waited (a listing of the bucket, which still had it) goes.
+        self.landed = landed
         self._lock = threading.Lock()
         self._gone: dict[str, _Delete] = {}  # GUARDED_BY(_lock)
 
@@ -94,6 +99,7 @@ class DeferredDeletes:
 
     def _done(self, entry: _Delete) -> None:
         entry.journal.unlink(missing_ok=True)
+        self.landed(entry.key, entry.is_dir)
         with self._lock:
             if self._gone.get(entry.key) is entry:
                 del self._gone[entry.key]
