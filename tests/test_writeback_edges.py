@@ -308,3 +308,23 @@ def test_a_listing_taken_while_a_delete_waits_does_not_bring_the_name_back_once_
     finally:
         gate.open.set()
         fs.close_all()
+
+
+def test_a_directory_someone_filled_while_its_rmdir_waited_stays_and_is_shown(
+        remote: Remote, tmp_path: Path) -> None:
+    """rmdir returned (empty here); before its turn another node put a file in the directory:
+    the store refuses the removal (not empty), as the next start's replay of it leaves such a
+    directory. It is no failure kept and retried for ever, and the directory shows again."""
+    fs, gate = _deferring(remote, tmp_path)
+    try:
+        fs.mkdir("/d")
+        write(fs, "/pending", b"p")
+        fs.rmdir("/d")
+        remote.fs.pipe_file(remote.full("d/theirs"), b"another node's")
+        gate.open.set()
+        assert fs.sync("/") == b"0"
+        assert fs.upload_status()["failed_deletes"] == []
+        assert [c.name for c in fs.readdir("/d")] == ["d/theirs"]
+    finally:
+        gate.open.set()
+        fs.close_all()

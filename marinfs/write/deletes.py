@@ -17,6 +17,7 @@ a leaf.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -140,6 +141,11 @@ def _remove(remote: Remote, key: str, is_dir: bool) -> None:
             remote.delete(key)
     except FileNotFoundError:
         pass  # (a new file never uploaded, or gone already: nothing to delete)
+    except OSError as exc:
+        if not (is_dir and exc.errno == errno.ENOTEMPTY):
+            raise
+        # Filled by someone since its rmdir here (empty then): it stays, as at the next start.
+        log.info("not removing %s: something was put in it since it was removed here", key)
 
 
 def recover_in_order(staging_dir: Path, remote: Remote, skip: frozenset[str], at_start: bool) -> list[Recovered]:
