@@ -328,3 +328,87 @@ def test_a_directory_someone_filled_while_its_rmdir_waited_stays_and_is_shown(
     finally:
         gate.open.set()
         fs.close_all()
+
+
+def _failing(remote: Remote, method: str) -> dict[str, bool]:
+    """``remote.<method>`` fails (EIO) while the switch is on."""
+    real = getattr(remote, method)
+    switch = {"on": True}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if switch["on"]:
+            raise OSError(errno.EIO, "injected", args[0])
+        return real(*args, **kwargs)
+
+    setattr(remote, method, call)
+    return switch
+
+
+def test_a_directory_made_again_after_its_rmdir_failed_is_made_and_stays(remote: Remote, tmp_path: Path) -> None:
+    """semantics.md: a name deleted and made again is deleted in the bucket first, then made.
+    Its delete failed (kept, retried): mkdir sends it first, and the retry pass leaves the new one."""
+    fs, gate = _deferring(remote, tmp_path)
+    gate.open.set()
+    try:
+        fs.mkdir("/d")
+        down = _failing(remote, "remove_dir")
+        fs.rmdir("/d")
+        with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+            fs.sync("/")  # (names the failed delete)
+        down["on"] = False  # the store answers again
+        fs.mkdir("/d")
+        assert fs.getattr("/d").is_dir
+        fs.retry_failed_commits()  # the daemon's retry pass
+        fs.sync("/")
+        assert fs.getattr("/d").is_dir and remote.fs.isdir(remote.full("d")), names(remote)
+    finally:
+        fs.close_all()
+
+
+def test_a_file_renamed_over_a_name_whose_delete_failed_is_not_removed_by_its_retry(
+        remote: Remote, tmp_path: Path) -> None:
+    """f open for writing here when unlinked (so its delete has no version to check), the
+    delete failed; `mv x f` then must not leave f to that delete's retry (x is gone by then)."""
+    fs, gate = _deferring(remote, tmp_path)
+    gate.open.set()
+    try:
+        write(fs, "/f", b"old")
+        write(fs, "/x", b"precious")
+        fs.sync("/")
+        fh = fs.open("/f", os.O_WRONLY).fh
+        down = _failing(remote, "delete")
+        fs.unlink("/f")
+        fs.release(fh)
+        with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+            fs.sync("/")
+        down["on"] = False
+        fs.rename("/x", "/f")
+        fs.retry_failed_commits()
+        fs.sync("/")
+        assert stored(remote, "f") == b"precious", names(remote)
+        assert fs.read(fs.open("/f", os.O_RDONLY).fh, 20, 0) == b"precious"
+    finally:
+        fs.close_all()
+
+
+def test_a_file_made_again_after_its_delete_failed_lands_under_its_name(remote: Remote, tmp_path: Path) -> None:
+    """rm f (its delete fails), then a new f: the new file's upload must not find the old object
+    in its way (a conflict copy, then the retried delete removing the name)."""
+    fs, gate = _deferring(remote, tmp_path)
+    gate.open.set()
+    try:
+        write(fs, "/f", b"old")
+        fs.sync("/")
+        down = _failing(remote, "delete")
+        fs.unlink("/f")
+        with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+            fs.sync("/")
+        down["on"] = False
+        write(fs, "/f", b"new")
+        fs.sync("/")
+        fs.retry_failed_commits()
+        fs.sync("/")
+        assert stored(remote, "f") == b"new" and fs.upload_status()["conflicts"] == [], names(remote)
+        assert fs.read(fs.open("/f", os.O_RDONLY).fh, 20, 0) == b"new"
+    finally:
+        fs.close_all()

@@ -257,6 +257,7 @@ class Filesystem:
             return self.open(path, flags)
         self.namespace.require_dir(posixpath.dirname(key))
         self.namespace.file_name_allowed(key)
+        self.writes.settle(key, wait=False)  # (a delete of the name that failed: its upload would clash)
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         keep = mode is not None and self.remote.stores_posix
         attrs = self.defaults.normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None

@@ -89,6 +89,8 @@ class Renamer:
             # A file not uploaded yet whose new name is not written back is uploaded by it too:
             # the new name promises what a close there promises (then copied, as in the default mode).
             self.writes.barrier()
+            self.writes.settle(src)  # (deletes in either tree that failed: sent first, else EIO)
+            self.writes.settle(dst)
             if not info.is_dir and self.writes.kept(src) is not None:  # (its upload failed meanwhile)
                 raise FsError(errno.EIO, f"{src}: its upload failed; its bytes are kept and retried (marinfs status)")
             copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)

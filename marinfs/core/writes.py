@@ -294,11 +294,16 @@ class Writes:
         else:
             self.metadata.invalidate(key)
 
-    def settle(self, key: str) -> None:
+    def settle(self, key: str, wait: bool = True) -> None:
         """Before a change that reaches the bucket at once (a directory marker, a link, a
-        close-durable commit) of ``key``: the deletes queued of it, above or below it, land first."""
-        if self.deletes is not None and self.deletes.near(key):
+        close-durable commit, a rename) of ``key``: the deletes queued of it, above or below it,
+        land first; those that failed are sent again, EIO if one still fails. ``wait=False``:
+        only those that failed (a new file, whose upload is queued behind the others)."""
+        if self.deletes is None:
+            return
+        if wait and self.deletes.near(key):
             self.barrier()
+        self.deletes.resend_failed(key)
 
     def barrier(self, tree: str | None = None) -> None:
         """Write-back: wait until every file closed so far (in ``tree``, or all) is uploaded

@@ -62,6 +62,7 @@ class DeferredDeletes:
         self.landed = landed
         self._lock = threading.Lock()
         self._gone: dict[str, _Delete] = {}  # GUARDED_BY(_lock)
+        self._failed: dict[int, _Delete] = {}  # GUARDED_BY(_lock): deletes that failed, not over yet, by id
 
     def delete(self, key: str, is_dir: bool, version: ObjectVersion | None) -> None:
         """``key`` is removed here: journaled, shown gone, its delete queued behind the uploads."""
@@ -95,6 +96,8 @@ class DeferredDeletes:
             _remove(self.remote, entry.key, entry.is_dir)
         except Exception as exc:
             entry.error = str(exc) or type(exc).__name__
+            with self._lock:
+                self._failed[id(entry)] = entry  # (status, the retry pass, resend_failed)
             raise
         self._done(entry)
 
@@ -102,6 +105,7 @@ class DeferredDeletes:
         entry.journal.unlink(missing_ok=True)
         self.landed(entry.key, entry.is_dir)
         with self._lock:
+            self._failed.pop(id(entry), None)
             if self._gone.get(entry.key) is entry:
                 del self._gone[entry.key]
 
@@ -120,17 +124,37 @@ class DeferredDeletes:
         """A delete not yet in the bucket of ``key``, above it or below it: what touches ``key``
         in the bucket right away (a copy, a marker) waits for it."""
         with self._lock:
-            return any(k == key or k.startswith(key + "/") or key.startswith(k + "/") or not key
-                       for k in self._gone)
+            return any(_near(k, key) for k in self._gone)
 
     def failed(self) -> list[_Delete]:
         with self._lock:
-            return [d for d in self._gone.values() if d.error]
+            return list(self._failed.values())
+
+    def resend_failed(self, key: str) -> None:
+        """The failed deletes of ``key``, above or below it, sent again now, in the order they
+        were asked for: a change of ``key`` that reaches the bucket at once (a marker, a link, a
+        commit, a rename's copy) lands after them, as promised, and no later retry removes what
+        it made. FsError(EIO) if one still fails: the change is not made."""
+        with self._lock:
+            if not self._failed:
+                return
+            failed = sorted((d for d in self._failed.values() if _near(d.key, key)), key=lambda d: d.journal.name)
+        for entry in failed:
+            try:
+                self._run(entry)
+            except Exception as exc:
+                raise FsError(errno.EIO, f"the delete of {entry.key} asked before failed ({entry.error}); "
+                              "it is kept and retried (marinfs status)") from exc
 
     def retry(self) -> None:
         """Queue again the deletes that failed (the retry pass)."""
         for entry in self.failed():
             self.queue.enqueue_op(entry.key, lambda e=entry: self._run(e))
+
+
+def _near(deleted: str, key: str) -> bool:
+    """``deleted`` is ``key``, above it or below it."""
+    return not key or deleted == key or deleted.startswith(key + "/") or key.startswith(deleted + "/")
 
 
 def _remove(remote: Remote, key: str, is_dir: bool) -> None:
