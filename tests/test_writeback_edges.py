@@ -412,3 +412,58 @@ def test_a_file_made_again_after_its_delete_failed_lands_under_its_name(remote: 
         assert fs.read(fs.open("/f", os.O_RDONLY).fh, 20, 0) == b"new"
     finally:
         fs.close_all()
+
+
+def test_a_delete_queued_after_an_upload_that_failed_waits_for_its_retry(remote: Remote, tmp_path: Path) -> None:
+    """semantics.md: a step deleted after the next step's save is never gone from the bucket
+    while the next step is incomplete there. The next step's upload failed (kept, retried): the
+    old step stays until that retry has put it in the bucket."""
+    remote.fs.pipe_file(remote.full("step1/a"), b"old step")
+    fs, gate = _deferring(remote, tmp_path)
+    try:
+        gate.fail.add("step2/a")
+        fs.mkdir("/step2")
+        write(fs, "/step2/a", b"new step")
+        fs.unlink("/step1/a")
+        gate.open.set()
+        with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+            fs.sync("/")
+        assert stored(remote, "step2/a") is None
+        assert stored(remote, "step1/a") == b"old step"  # the only whole step in the bucket
+        gate.fail.clear()
+        for _ in range(2):
+            fs.retry_failed_commits()  # the daemon's retry pass, each interval
+            fs.sync("/step2")
+        fs.writes.barrier()
+        assert stored(remote, "step2/a") == b"new step" and stored(remote, "step1/a") is None, names(remote)
+        assert fs.sync("/") == b"0"
+    finally:
+        gate.open.set()
+        fs.close_all()
+
+
+def test_a_killed_daemons_delete_waits_at_the_next_start_for_an_upload_before_it_that_fails(
+        remote: Remote, tmp_path: Path) -> None:
+    """The same at the next start: the step saved before the delete cannot be uploaded (the
+    store refuses it for now): the old step stays, its delete kept for later."""
+    from test_writeback import Gate
+
+    remote.fs.pipe_file(remote.full("step1/a"), b"old step")
+    killed = Remote(remote.url)
+    gate = Gate(killed)
+    first = Filesystem(killed, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=2)
+    try:
+        first.mkdir("/step2")
+        write(first, "/step2/a", b"new step")  # pending when the daemon dies
+        first.unlink("/step1/a")
+        down = _failing(remote, "upload")
+        second = Filesystem(remote, staging_dir=tmp_path / "staging")
+        second.recover_staged(at_start=True)
+        assert stored(remote, "step1/a") == b"old step", names(remote)
+        down["on"] = False
+        third = Filesystem(remote, staging_dir=tmp_path / "staging")  # the start after: both go
+        third.recover_staged(at_start=True)
+        assert stored(remote, "step2/a") == b"new step" and stored(remote, "step1/a") is None, names(remote)
+    finally:
+        gate.fail.add("step2/a")
+        gate.open.set()

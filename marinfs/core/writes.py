@@ -97,7 +97,8 @@ class Writes:
                                      hold=self.is_held)
                            if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
-        self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed)
+        self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed,
+                                        failed_uploads=self._failed_uploads)
                         if self.write_back is not None else None)
 
     # -- staged files ------------------------------------------------------------------------------
@@ -285,6 +286,13 @@ class Writes:
     def is_gone(self, key: str) -> bool:
         """Deleted here (write-back), the delete not yet in the bucket: not shown."""
         return self.deletes is not None and self.deletes.is_gone(key)
+
+    def _failed_uploads(self) -> frozenset[str]:
+        """The staging files of the commits kept after failing (a queued delete waits for them)."""
+        with self.lock:
+            kept = {f.staged for f in self.failed_commits}
+            kept |= {s.path for s in self.staged.values() if s.failed_unchanged and s.dirty}
+        return frozenset(kept)
 
     def _delete_landed(self, key: str, is_dir: bool) -> None:
         """A queued delete is over: a listing or stat cached while it waited (the bucket still

@@ -47,16 +47,24 @@ class _Delete:
     journal: Path
     error: str = ""  # the last failure; empty while it has not failed
     since: float = 0.0
+    # The uploads closed before it that were kept after failing when its turn came (their
+    # staging files): it is not sent until none of them is left (retried into the bucket, or
+    # the file removed). None: its turn has not come.
+    waits_for: frozenset[str] | None = None
 
 
 class DeferredDeletes:
     """The deletes of one write-back mount not yet in the bucket."""
 
     def __init__(self, staging_dir: Path, remote: Remote, queue: WriteBack,
-                 landed: Callable[[str, bool], None] = lambda key, is_dir: None) -> None:
+                 landed: Callable[[str, bool], None] = lambda key, is_dir: None,
+                 failed_uploads: Callable[[], frozenset[str]] = frozenset) -> None:
         self.staging_dir = staging_dir
         self.remote = remote
         self.queue = queue
+        # The staging files of the uploads kept after failing, now: a delete is held back while
+        # one closed before it is among them (the old step stays while the new one is not whole).
+        self.failed_uploads = failed_uploads
         # Called once a delete is over (before the name shows again): what was cached of the
         # name while it waited (a listing of the bucket, which still had it) goes.
         self.landed = landed
@@ -84,6 +92,11 @@ class DeferredDeletes:
     def _run(self, entry: _Delete) -> None:
         """The queued delete (a queue worker); a failure is kept, and raised for the log."""
         try:
+            failing = self.failed_uploads()
+            entry.waits_for = failing if entry.waits_for is None else entry.waits_for & failing
+            if entry.waits_for:
+                raise OSError(errno.EIO, f"not sent while {len(entry.waits_for)} upload(s) closed before it "
+                                         "are kept after failing")
             if entry.error and entry.version is not None and not entry.is_dir:
                 try:
                     if self.remote.stat(entry.key).version != entry.version:
@@ -188,6 +201,11 @@ def recover_in_order(staging_dir: Path, remote: Remote, skip: frozenset[str], at
         out = recover(staging_dir, remote, frozenset(done | later), at_start=at_start)
         results += out
         done |= {r.staged for r in out}
+        failing = [r.key for r in results if r.committed_as is None]
+        if failing:  # (the new step not whole in the bucket: the old one stays, as while it ran)
+            log.warning("not deleting %s yet: %d upload(s) asked before it failed (%s); the next start tries again",
+                        entry["key"], len(failing), ", ".join(failing[:3]))
+            continue
         _finish(path, entry, remote)
     return results + recover(staging_dir, remote, frozenset(done), at_start=at_start)
 
