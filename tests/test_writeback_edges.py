@@ -467,3 +467,39 @@ def test_a_killed_daemons_delete_waits_at_the_next_start_for_an_upload_before_it
     finally:
         gate.fail.add("step2/a")
         gate.open.set()
+
+
+def test_a_delete_left_by_a_killed_daemon_and_not_sent_at_start_is_shown_kept_and_retried(
+        remote: Remote, tmp_path: Path) -> None:
+    """One the next start could not send: the name stays gone there, `marinfs status` and
+    `marinfs sync` say so, and the retry pass sends it (not only the start after)."""
+    from test_writeback import Gate
+
+    remote.fs.pipe_file(remote.full("step1/a"), b"old step")
+    killed = Remote(remote.url)
+    gate = Gate(killed)
+    first = Filesystem(killed, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=2)
+    second = None
+    try:
+        first.mkdir("/step2")
+        write(first, "/step2/a", b"new step")
+        first.unlink("/step1/a")
+        down = _failing(remote, "upload")
+        second = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=0)
+        second.recover_staged(at_start=True)
+        assert [d["key"] for d in second.upload_status()["failed_deletes"]] == ["step1/a"]
+        with pytest.raises(FileNotFoundError):
+            second.getattr("/step1/a")  # removed, as asked
+        with pytest.raises(OSError, check=lambda e: e.errno == errno.EIO):
+            second.sync("/")
+        down["on"] = False
+        for _ in range(2):
+            second.retry_failed_commits()
+            second.writes.barrier()
+        assert stored(remote, "step2/a") == b"new step" and stored(remote, "step1/a") is None, names(remote)
+        assert second.sync("/") == b"0" and not list((tmp_path / "staging").glob("delete-*.json"))
+    finally:
+        gate.fail.add("step2/a")
+        gate.open.set()
+        if second is not None:
+            second.close_all()

@@ -543,6 +543,8 @@ class Writes:
         skip = self.open_staging_files()
         results = (recover_in_order(self.staging_dir, self.remote, skip, at_start) if at_start
                    else recover(self.staging_dir, self.remote, skip, at_start=at_start))
+        if at_start and self.deletes is not None:
+            self.deletes.adopt_left()  # (those not sent: kept and retried, as this daemon's own)
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self.lock:

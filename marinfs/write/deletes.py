@@ -159,6 +159,25 @@ class DeferredDeletes:
                 raise FsError(errno.EIO, f"the delete of {entry.key} asked before failed ({entry.error}); "
                               "it is kept and retried (marinfs status)") from exc
 
+    def adopt_left(self) -> None:
+        """At the start, once ``recover_in_order`` ran: the deletes an earlier daemon queued that
+        it could not send (the store refused, or an upload before one failed) are this daemon's,
+        as failed ones: gone here, shown by status and sync, and retried by the retry pass."""
+        with self._lock:
+            known = {d.journal for d in self._gone.values()} | {d.journal for d in self._failed.values()}
+        for _, path, raw in _journals(self.staging_dir, self.remote):
+            if path in known:
+                continue
+            try:
+                version = ObjectVersion.parse(raw["version"]) if raw.get("version") is not None else None
+            except ValueError:
+                version = None
+            entry = _Delete(raw["key"], bool(raw.get("dir")), version, path,
+                            error="left by an earlier daemon, not sent at this start", since=time.time())
+            with self._lock:
+                self._gone.setdefault(entry.key, entry)
+                self._failed[id(entry)] = entry
+
     def retry(self) -> None:
         """Queue again the deletes that failed (the retry pass)."""
         for entry in self.failed():
