@@ -503,3 +503,35 @@ def test_a_delete_left_by_a_killed_daemon_and_not_sent_at_start_is_shown_kept_an
         gate.open.set()
         if second is not None:
             second.close_all()
+
+
+def test_a_failed_delete_waiting_for_its_retry_in_the_queue_is_not_queued_again_each_pass(
+        remote: Remote, tmp_path: Path) -> None:
+    """The retry pass runs each interval; a delete it queued again that still waits its turn
+    (uploads ahead of it) is not queued once more each time (each copy a request and a fence)."""
+    remote.fs.pipe_file(remote.full("f"), b"old")
+    fs, gate = _deferring(remote, tmp_path)
+    sent: list[str] = []
+    delete = remote.delete
+
+    def counted(key: str) -> None:
+        sent.append(key)
+        delete(key)
+
+    try:
+        down = _failing(remote, "delete")
+        fs.unlink("/f")
+        fs.writes.barrier()
+        assert [d["key"] for d in fs.upload_status()["failed_deletes"]] == ["f"]
+        down["on"] = False
+        remote.delete = counted  # type: ignore[method-assign]
+        write(fs, "/pending", b"p")  # held: the retried delete waits behind it
+        for _ in range(5):
+            fs.retry_failed_commits()
+        assert fs.writes.write_back.pending() == 2  # the upload and one delete
+        gate.open.set()
+        fs.sync("/")
+        assert sent == ["f"] and stored(remote, "f") is None
+    finally:
+        gate.open.set()
+        fs.close_all()

@@ -51,6 +51,7 @@ class _Delete:
     # staging files): it is not sent until none of them is left (retried into the bucket, or
     # the file removed). None: its turn has not come.
     waits_for: frozenset[str] | None = None
+    requeued: bool = False  # queued again by the retry pass, not run yet
 
 
 class DeferredDeletes:
@@ -179,9 +180,19 @@ class DeferredDeletes:
                 self._failed[id(entry)] = entry
 
     def retry(self) -> None:
-        """Queue again the deletes that failed (the retry pass)."""
-        for entry in self.failed():
-            self.queue.enqueue_op(entry.key, lambda e=entry: self._run(e))
+        """Queue again the deletes that failed (the retry pass), but those queued again already
+        and still waiting their turn."""
+        with self._lock:
+            due = [d for d in self._failed.values() if not d.requeued]
+            for entry in due:
+                entry.requeued = True
+        for entry in due:
+            self.queue.enqueue_op(entry.key, lambda e=entry: self._rerun(e))
+
+    def _rerun(self, entry: _Delete) -> None:
+        with self._lock:
+            entry.requeued = False
+        self._run(entry)
 
 
 def _near(deleted: str, key: str) -> bool:
