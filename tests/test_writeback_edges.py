@@ -383,6 +383,7 @@ def test_a_file_renamed_over_a_name_whose_delete_failed_is_not_removed_by_its_re
             fs.sync("/")
         down["on"] = False
         fs.rename("/x", "/f")
+        assert fs.read(fs.open("/f", os.O_RDONLY).fh, 20, 0) == b"precious"  # (not hidden as gone)
         fs.retry_failed_commits()
         fs.sync("/")
         assert stored(remote, "f") == b"precious", names(remote)
@@ -534,4 +535,28 @@ def test_a_failed_delete_waiting_for_its_retry_in_the_queue_is_not_queued_again_
         assert sent == ["f"] and stored(remote, "f") is None
     finally:
         gate.open.set()
+        fs.close_all()
+
+
+def test_a_retried_delete_of_a_file_open_for_writing_when_removed_spares_another_nodes_write(
+        remote: Remote, tmp_path: Path) -> None:
+    """semantics.md: a retried delete is sent only while the object is still the version deleted
+    here. A file open for writing here when unlinked has that version too (the one its writer
+    started from): another node's object written meanwhile stays."""
+    fs, gate = _deferring(remote, tmp_path)
+    gate.open.set()
+    try:
+        write(fs, "/f", b"ours")
+        fs.sync("/")
+        fh = fs.open("/f", os.O_WRONLY).fh
+        down = _failing(remote, "delete")
+        fs.unlink("/f")
+        fs.release(fh)
+        fs.writes.barrier()
+        remote.fs.pipe_file(remote.full("f"), b"another node's")
+        down["on"] = False
+        fs.retry_failed_commits()
+        fs.writes.barrier()
+        assert stored(remote, "f") == b"another node's"
+    finally:
         fs.close_all()
