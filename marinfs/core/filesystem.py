@@ -257,6 +257,7 @@ class Filesystem:
             return self.open(path, flags)
         self.namespace.require_dir(posixpath.dirname(key))
         self.namespace.file_name_allowed(key)
+        self.writes.settle(key, wait=False)  # (a delete of the name that failed: its upload would clash)
         self.metadata.forget(key)  # the listing stays: the staged file shows until committed
         keep = mode is not None and self.remote.stores_posix
         attrs = self.defaults.normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
@@ -321,6 +322,7 @@ class Filesystem:
             self.writes.truncate_open(self.handles.get(fh), length)
             return
         key = key_of(path)
+        self.writes.settle(key)  # (committed at once: after a delete of it queued before)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
@@ -387,6 +389,7 @@ class Filesystem:
                 continue
             if handle.staged is not None:
                 try:
+                    self.writes.settle(handle.staged.key)  # (a delete of it queued before: first)
                     self.writes.commit(handle.staged)
                 except Exception:  # noqa: BLE001 - the bytes stay staged; discard() says where
                     log.exception("commit of %s failed at unmount", handle.key)

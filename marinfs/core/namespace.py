@@ -341,7 +341,10 @@ class Namespace:
         staged = self.writes.unlinked(key)
         kept = self.writes.drop_kept(key)
         if deferred:  # write-back: sent behind the uploads closed before it
-            self.writes.deletes.delete(key, False, info.version if staged is None and not kept else None)
+            # The version deleted (a retry sends it only while the object is still that one):
+            # an open writer's is the one it started from; none for a file never uploaded.
+            version = None if kept else info.version if staged is None else staged.base_version
+            self.writes.deletes.delete(key, False, version)
             self.metadata.removed_own(key)
             entries_changed(self.remote, self.metadata, key)
             self.kernel.forget_inodes(key)

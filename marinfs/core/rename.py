@@ -89,6 +89,8 @@ class Renamer:
             # A file not uploaded yet whose new name is not written back is uploaded by it too:
             # the new name promises what a close there promises (then copied, as in the default mode).
             self.writes.barrier()
+            self.writes.settle(src)  # (deletes in either tree that failed: sent first, else EIO)
+            self.writes.settle(dst)
             if info.is_dir:  # (directories made in a temporary one: the bucket's rename moves them)
                 self.writes.materialize_tree(src)
             if not info.is_dir and self.writes.kept(src) is not None:  # (its upload failed meanwhile)

@@ -102,7 +102,9 @@ class Writes:
                                      hold=self.is_held)
                            if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
-        self.deletes = DeferredDeletes(staging_dir, remote, self.write_back) if self.write_back is not None else None
+        self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed,
+                                        failed_uploads=self._failed_uploads)
+                        if self.write_back is not None else None)
 
     # -- staged files ------------------------------------------------------------------------------
     def writer(self, key: str, info: ObjectInfo | None, truncate: bool, attrs: PosixAttrs | None = None) -> StagedFile:
@@ -360,11 +362,31 @@ class Writes:
         """Deleted here (write-back), the delete not yet in the bucket: not shown."""
         return self.deletes is not None and self.deletes.is_gone(key)
 
-    def settle(self, key: str) -> None:
+    def _failed_uploads(self) -> frozenset[str]:
+        """The staging files of the commits kept after failing (a queued delete waits for them)."""
+        with self.lock:
+            kept = {f.staged for f in self.failed_commits}
+            kept |= {s.path for s in self.staged.values() if s.failed_unchanged and s.dirty}
+        return frozenset(kept)
+
+    def _delete_landed(self, key: str, is_dir: bool) -> None:
+        """A queued delete is over: a listing or stat cached while it waited (the bucket still
+        had the name, hidden here) would show the name again once it is no longer gone."""
+        if is_dir:
+            self.metadata.invalidate_tree(key)
+        else:
+            self.metadata.invalidate(key)
+
+    def settle(self, key: str, wait: bool = True) -> None:
         """Before a change that reaches the bucket at once (a directory marker, a link, a
-        close-durable commit) of ``key``: the deletes queued of it, above or below it, land first."""
-        if self.deletes is not None and self.deletes.near(key):
+        close-durable commit, a rename) of ``key``: the deletes queued of it, above or below it,
+        land first; those that failed are sent again, EIO if one still fails. ``wait=False``:
+        only those that failed (a new file, whose upload is queued behind the others)."""
+        if self.deletes is None:
+            return
+        if wait and self.deletes.near(key):
             self.barrier()
+        self.deletes.resend_failed(key)
 
     def barrier(self, tree: str | None = None) -> None:
         """Write-back: wait until every file closed so far (in ``tree``, or all) is uploaded
@@ -598,6 +620,8 @@ class Writes:
         skip = self.open_staging_files()
         results = (recover_in_order(self.staging_dir, self.remote, skip, at_start) if at_start
                    else recover(self.staging_dir, self.remote, skip, at_start=at_start))
+        if at_start and self.deletes is not None:
+            self.deletes.adopt_left()  # (those not sent: kept and retried, as this daemon's own)
         now = time.time()
         reports: list[tuple[FailedCommit, FailedCommit | None]] = []
         with self.lock:

@@ -17,12 +17,14 @@ a leaf.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,17 +47,31 @@ class _Delete:
     journal: Path
     error: str = ""  # the last failure; empty while it has not failed
     since: float = 0.0
+    # The uploads closed before it that were kept after failing when its turn came (their
+    # staging files): it is not sent until none of them is left (retried into the bucket, or
+    # the file removed). None: its turn has not come.
+    waits_for: frozenset[str] | None = None
+    requeued: bool = False  # queued again by the retry pass, not run yet
 
 
 class DeferredDeletes:
     """The deletes of one write-back mount not yet in the bucket."""
 
-    def __init__(self, staging_dir: Path, remote: Remote, queue: WriteBack) -> None:
+    def __init__(self, staging_dir: Path, remote: Remote, queue: WriteBack,
+                 landed: Callable[[str, bool], None] = lambda key, is_dir: None,
+                 failed_uploads: Callable[[], frozenset[str]] = frozenset) -> None:
         self.staging_dir = staging_dir
         self.remote = remote
         self.queue = queue
+        # The staging files of the uploads kept after failing, now: a delete is held back while
+        # one closed before it is among them (the old step stays while the new one is not whole).
+        self.failed_uploads = failed_uploads
+        # Called once a delete is over (before the name shows again): what was cached of the
+        # name while it waited (a listing of the bucket, which still had it) goes.
+        self.landed = landed
         self._lock = threading.Lock()
         self._gone: dict[str, _Delete] = {}  # GUARDED_BY(_lock)
+        self._failed: dict[int, _Delete] = {}  # GUARDED_BY(_lock): deletes that failed, not over yet, by id
 
     def delete(self, key: str, is_dir: bool, version: ObjectVersion | None) -> None:
         """``key`` is removed here: journaled, shown gone, its delete queued behind the uploads."""
@@ -77,6 +93,11 @@ class DeferredDeletes:
     def _run(self, entry: _Delete) -> None:
         """The queued delete (a queue worker); a failure is kept, and raised for the log."""
         try:
+            failing = self.failed_uploads()
+            entry.waits_for = failing if entry.waits_for is None else entry.waits_for & failing
+            if entry.waits_for:
+                raise OSError(errno.EIO, f"not sent while {len(entry.waits_for)} upload(s) closed before it "
+                                         "are kept after failing")
             if entry.error and entry.version is not None and not entry.is_dir:
                 try:
                     if self.remote.stat(entry.key).version != entry.version:
@@ -89,12 +110,16 @@ class DeferredDeletes:
             _remove(self.remote, entry.key, entry.is_dir)
         except Exception as exc:
             entry.error = str(exc) or type(exc).__name__
+            with self._lock:
+                self._failed[id(entry)] = entry  # (status, the retry pass, resend_failed)
             raise
         self._done(entry)
 
     def _done(self, entry: _Delete) -> None:
         entry.journal.unlink(missing_ok=True)
+        self.landed(entry.key, entry.is_dir)
         with self._lock:
+            self._failed.pop(id(entry), None)
             if self._gone.get(entry.key) is entry:
                 del self._gone[entry.key]
 
@@ -113,17 +138,66 @@ class DeferredDeletes:
         """A delete not yet in the bucket of ``key``, above it or below it: what touches ``key``
         in the bucket right away (a copy, a marker) waits for it."""
         with self._lock:
-            return any(k == key or k.startswith(key + "/") or key.startswith(k + "/") or not key
-                       for k in self._gone)
+            return any(_near(k, key) for k in self._gone)
 
     def failed(self) -> list[_Delete]:
         with self._lock:
-            return [d for d in self._gone.values() if d.error]
+            return list(self._failed.values())
+
+    def resend_failed(self, key: str) -> None:
+        """The failed deletes of ``key``, above or below it, sent again now, in the order they
+        were asked for: a change of ``key`` that reaches the bucket at once (a marker, a link, a
+        commit, a rename's copy) lands after them, as promised, and no later retry removes what
+        it made. FsError(EIO) if one still fails: the change is not made."""
+        with self._lock:
+            if not self._failed:
+                return
+            failed = sorted((d for d in self._failed.values() if _near(d.key, key)), key=lambda d: d.journal.name)
+        for entry in failed:
+            try:
+                self._run(entry)
+            except Exception as exc:
+                raise FsError(errno.EIO, f"the delete of {entry.key} asked before failed ({entry.error}); "
+                              "it is kept and retried (marinfs status)") from exc
+
+    def adopt_left(self) -> None:
+        """At the start, once ``recover_in_order`` ran: the deletes an earlier daemon queued that
+        it could not send (the store refused, or an upload before one failed) are this daemon's,
+        as failed ones: gone here, shown by status and sync, and retried by the retry pass."""
+        with self._lock:
+            known = {d.journal for d in self._gone.values()} | {d.journal for d in self._failed.values()}
+        for _, path, raw in _journals(self.staging_dir, self.remote):
+            if path in known:
+                continue
+            try:
+                version = ObjectVersion.parse(raw["version"]) if raw.get("version") is not None else None
+            except ValueError:
+                version = None
+            entry = _Delete(raw["key"], bool(raw.get("dir")), version, path,
+                            error="left by an earlier daemon, not sent at this start", since=time.time())
+            with self._lock:
+                self._gone.setdefault(entry.key, entry)
+                self._failed[id(entry)] = entry
 
     def retry(self) -> None:
-        """Queue again the deletes that failed (the retry pass)."""
-        for entry in self.failed():
-            self.queue.enqueue_op(entry.key, lambda e=entry: self._run(e))
+        """Queue again the deletes that failed (the retry pass), but those queued again already
+        and still waiting their turn."""
+        with self._lock:
+            due = [d for d in self._failed.values() if not d.requeued]
+            for entry in due:
+                entry.requeued = True
+        for entry in due:
+            self.queue.enqueue_op(entry.key, lambda e=entry: self._rerun(e))
+
+    def _rerun(self, entry: _Delete) -> None:
+        with self._lock:
+            entry.requeued = False
+        self._run(entry)
+
+
+def _near(deleted: str, key: str) -> bool:
+    """``deleted`` is ``key``, above it or below it."""
+    return not key or deleted == key or deleted.startswith(key + "/") or key.startswith(deleted + "/")
 
 
 def _remove(remote: Remote, key: str, is_dir: bool) -> None:
@@ -134,6 +208,11 @@ def _remove(remote: Remote, key: str, is_dir: bool) -> None:
             remote.delete(key)
     except FileNotFoundError:
         pass  # (a new file never uploaded, or gone already: nothing to delete)
+    except OSError as exc:
+        if not (is_dir and exc.errno == errno.ENOTEMPTY):
+            raise
+        # Filled by someone since its rmdir here (empty then): it stays, as at the next start.
+        log.info("not removing %s: something was put in it since it was removed here", key)
 
 
 def recover_in_order(staging_dir: Path, remote: Remote, skip: frozenset[str], at_start: bool) -> list[Recovered]:
@@ -152,6 +231,11 @@ def recover_in_order(staging_dir: Path, remote: Remote, skip: frozenset[str], at
         out = recover(staging_dir, remote, frozenset(done | later), at_start=at_start)
         results += out
         done |= {r.staged for r in out}
+        failing = [r.key for r in results if r.committed_as is None]
+        if failing:  # (the new step not whole in the bucket: the old one stays, as while it ran)
+            log.warning("not deleting %s yet: %d upload(s) asked before it failed (%s); the next start tries again",
+                        entry["key"], len(failing), ", ".join(failing[:3]))
+            continue
         _finish(path, entry, remote)
     return results + recover(staging_dir, remote, frozenset(done), at_start=at_start)
 
