@@ -12,6 +12,9 @@ Where each cell runs, and why not elsewhere:
 - staging disk full: local and S3 (a 1 MiB tmpfs cache directory, so root only).
 - another client overwrites between open and close: local and S3. fake-gcs-server ignores
   ``ifGenerationMatch`` (DESIGN §7); test_writepath.py checks what marinfs asks of GCS.
+- write-back (``--write-back``: close returns once the bytes are staged): the store down during
+  background uploads, on S3 (the cell the default mode runs on S3 and GCS; here the uploads, the
+  status and ``marinfs sync`` are what is new, none of it backend-specific).
 
 Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy.
 """
@@ -19,6 +22,7 @@ Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -73,6 +77,8 @@ class Store:
             return None
 
     def put(self, rel: str, data: bytes) -> None:
+        if self.backend == "local":
+            self.client.makedirs(f"{self.root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
         self.client.pipe_file(f"{self.root}/{rel}", data)
 
     def incomplete_uploads(self) -> list[str]:
@@ -579,3 +585,92 @@ def test_what_works_while_the_server_is_down(store: Store, tmp_path: Path) -> No
         s.proxy.restart()
         assert (mnt / "d/cached.bin").read_bytes() == cached and (mnt / "d/uncached.bin").read_bytes() == uncached
         wait_committed(s, "d/new.txt", b"written while the server was down", within=COMMIT_BOUND)
+
+
+# -- write-back cells (--write-back: close returns once the bytes are staged and journaled) ---------
+WB_ARGS = [*MOUNT_ARGS, "--write-back"]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def bucket_sums(s: Store, rels: list[str]) -> dict[str, str | None]:
+    """sha256 of each object as the server holds it (read past the mount and the proxy, all at
+    once: s3fs and gcsfs fetch a list concurrently); None where there is no object."""
+    paths = [f"{s.root}/{rel}" for rel in rels]
+    got = s.client.cat(paths, on_error="return")
+    return {rel: sha(bytes(got[p])) if isinstance(got.get(p), (bytes, bytearray)) else None
+            for rel, p in zip(rels, paths)}
+
+
+def staging_left(cache: Path) -> list[str]:
+    return sorted(p.name for p in (cache / "staging").iterdir()) if (cache / "staging").is_dir() else []
+
+
+def marinfs(*args: str, env: dict[str, str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([*MARINFS, *args], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=timeout)
+    return done, time.monotonic() - started
+
+
+@cells("s3")
+def test_write_back_server_down_during_background_uploads_closes_return_sync_fails_then_all_land(
+        store: Store, tmp_path: Path) -> None:
+    """The store goes down while background uploads are in flight (each PUT waits 1 s at the
+    proxy), and stays down while more files are written: every close() returns 0; the failed
+    uploads are listed by `marinfs status` (and --json) with their error; `marinfs sync` of
+    their directory, run at once, exits 1 in bounded time naming them (how many, the first five
+    by name; none outside it); once the store
+    is back the retry lands every byte (sha256 of each object, read past the mount and the proxy)."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    s.proxy.delay, s.proxy.delay_match = 1.0, lambda req: req.method in ("PUT", "POST")
+    before = {f"ckpt/before-{i}.bin": os.urandom(1000 + 997 * i) for i in range(6)}
+    before["elsewhere.bin"] = os.urandom(1234)  # outside the directory synced below
+    during = {f"ckpt/during-{i}.bin": os.urandom(2000 + 991 * i) for i in range(6)}
+    during["ckpt/big.bin"] = os.urandom(40 * MiB + 3)  # its parts would leave while it is written
+    files = {**before, **during}
+    timings: dict[str, float] = {}
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, "--write-back-delay", "0", "--metadata-ttl", "60",
+                          env=s.env):
+        (mnt / "ckpt").mkdir()  # made here: new names in it need no request
+        for rel, data in before.items():
+            (mnt / rel).write_bytes(data)
+        wait_for(lambda: sum(1 for _, m, _t in s.proxy.arrivals if m == "PUT") == len(before), within=5)
+        s.proxy.stop_server()  # every upload in flight (held at the proxy) dies with it
+        down = time.monotonic()
+        for rel, data in during.items():  # written while the store is down
+            started = time.monotonic()
+            fd = write_file(mnt / rel, data)
+            code, _ = close_errno(fd)
+            timings[rel] = time.monotonic() - started
+            assert code == 0 and timings[rel] < CALL_BOUND, (rel, code, timings[rel])
+        # `marinfs sync` at once, as a job would: it waits for the uploads in flight to fail.
+        synced, timings["sync"] = marinfs("sync", str(mnt / "ckpt"), env=s.env)
+        assert synced.returncode == 1 and timings["sync"] < CALL_BOUND + 5, synced
+        line = synced.stderr.strip().splitlines()[-1]  # (after its progress lines)
+        under = sorted(rel for rel in files if rel.startswith("ckpt/"))
+        assert (f"{len(under)} files failed to upload; their bytes are kept and retried: "
+                f"{', '.join(under[:5])} and {len(under) - 5} more (see `marinfs status") in line, line
+        wait_for(lambda: sorted(f["key"] for f in failed_uploads(mnt, s.env)) == sorted(files), within=5)
+        timings["all failed and listed"] = time.monotonic() - down
+        for failed in failed_uploads(mnt, s.env):
+            assert failed["attempts"] >= 1 and failed["error"] and not failed["final"], failed
+            assert sha(Path(failed["staged"]).read_bytes()) == sha(files[failed["key"]])
+        shown, _ = marinfs("status", str(mnt), env=s.env)
+        assert shown.returncode == 0 and "write-back: 0 queued or uploading" in shown.stdout, shown.stdout
+        assert all(f"failed {rel} (retrying;" in shown.stdout for rel in files), shown.stdout
+        assert set(bucket_sums(s, list(files)).values()) == {None}  # nothing landed while down
+        s.proxy.delay = 0.0
+        s.proxy.restart()
+        started = time.monotonic()
+        want = {rel: sha(data) for rel, data in files.items()}
+        wait_for(lambda: bucket_sums(s, list(files)) == want, within=COMMIT_BOUND)
+        timings["landed once back"] = time.monotonic() - started
+        synced, _ = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0, synced.stderr
+        wait_for(lambda: failed_uploads(mnt, s.env) == [], within=5)
+        assert staging_left(cache) == []
+    print("store down during background uploads:", {k: round(v, 1) for k, v in timings.items()})
