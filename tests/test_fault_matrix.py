@@ -14,7 +14,8 @@ Where each cell runs, and why not elsewhere:
   ``ifGenerationMatch`` (DESIGN §7); test_writepath.py checks what marinfs asks of GCS.
 - write-back (``--write-back``: close returns once the bytes are staged): the store down during
   background uploads, on S3 (the cell the default mode runs on S3 and GCS; here the uploads, the
-  status and ``marinfs sync`` are what is new, none of it backend-specific).
+  status and ``marinfs sync`` are what is new, none of it backend-specific); a writer on another
+  node meanwhile and a full cache disk, on local and S3, as their default-mode cells.
 
 Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy.
 """
@@ -674,3 +675,88 @@ def test_write_back_server_down_during_background_uploads_closes_return_sync_fai
         wait_for(lambda: failed_uploads(mnt, s.env) == [], within=5)
         assert staging_left(cache) == []
     print("store down during background uploads:", {k: round(v, 1) for k, v in timings.items()})
+
+
+@cells("local", "s3")
+def test_write_back_a_conflicting_writer_on_another_node_gets_their_object_and_ours_beside(
+        store: Store, tmp_path: Path) -> None:
+    """This node closes a rewrite of an existing object and a new file (queued, not uploaded:
+    a long --write-back-delay); another node (a second mount of the prefix) writes both names
+    meanwhile. The uploads meet the other writer's objects: theirs stay, ours land beside as
+    conflict copies, listed by `marinfs status`; nothing is lost."""
+    s, mnt, other = store, tmp_path / "mnt", tmp_path / "other"
+    s.put("shared/model.txt", b"version 1")
+    ours = {"shared/model.txt": os.urandom(3000), "shared/new.txt": os.urandom(2000)}
+    theirs = {"shared/model.txt": os.urandom(3100), "shared/new.txt": os.urandom(2100)}
+    with subprocess_mount(s.url, mnt, tmp_path / "cache", *WB_ARGS, "--write-back-delay", "600", env=s.env):
+        assert (mnt / "shared/model.txt").read_bytes() == b"version 1"
+        for rel, data in ours.items():
+            (mnt / rel).write_bytes(data)  # close returns: queued
+        assert bucket_sums(s, list(ours)) == {"shared/model.txt": sha(b"version 1"), "shared/new.txt": None}
+        time.sleep(0.01)  # (a local version is mtime-based: the other write must differ in time)
+        with subprocess_mount(s.url, other, tmp_path / "other-cache", *MOUNT_ARGS, env=s.env):
+            for rel, data in theirs.items():
+                (other / rel).write_bytes(data)  # the other node's close commits
+        synced, _ = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0, synced.stderr  # every byte landed, beside theirs
+        uploads: dict[str, Any] = {}
+
+        def conflicts_shown() -> bool:  # (the daemon publishes its status every 2 s)
+            status, _ = marinfs("status", "--json", str(mnt), env=s.env)
+            uploads.update(json.loads(status.stdout)[0]["uploads"])
+            return len(uploads["conflicts"]) == len(ours)
+
+        wait_for(conflicts_shown, within=5)
+        conflicts = {c["key"]: c["committed_as"] for c in uploads["conflicts"]}
+        assert sorted(conflicts) == sorted(ours) and uploads["failed"] == [], uploads
+        text, _ = marinfs("status", str(mnt), env=s.env)
+        for rel, copy in conflicts.items():
+            assert copy.startswith(f"{rel}.marinfs-conflict-"), copy
+            assert f"conflict {rel}: changed by someone else; our bytes are in {copy}" in text.stdout, text.stdout
+        assert bucket_sums(s, [*theirs, *conflicts.values()]) == {
+            **{rel: sha(data) for rel, data in theirs.items()},
+            **{copy: sha(ours[rel]) for rel, copy in conflicts.items()}}
+        for rel, data in theirs.items():  # this node now shows theirs, and its copy beside
+            assert (mnt / rel).read_bytes() == data
+        assert sorted(os.listdir(mnt / "shared")) == sorted(Path(p).name for p in [*theirs, *conflicts.values()])
+    assert staging_left(tmp_path / "cache") == []
+
+
+@cells("local", "s3")
+def test_write_back_a_full_cache_disk_is_enospc_at_the_write_or_a_wait_at_close_never_a_lost_file(
+        store: Store, tiny_tmpfs: Path, tmp_path: Path) -> None:
+    """A 1 MiB cache disk under write-back (uploads held: a long --write-back-delay). With
+    --write-back-max-bytes under the disk's size, closes past it wait for uploads to make room
+    and return 0; a file larger than the disk fails its write() with ENOSPC (not only its
+    close), and nothing of it is uploaded: the old object stays. Every file whose close returned
+    0 is in the bucket, byte for byte; nothing is left in the staging directory."""
+    s, mnt = store, tmp_path / "mnt"
+    s.put("model.bin", b"the old version")
+    files = {f"shards/s{i:02d}": os.urandom(64 * 1024 - i) for i in range(20)}  # 1.25 MiB in all
+    with subprocess_mount(s.url, mnt, tiny_tmpfs, *WB_ARGS, "--cache-size", "0", "--write-back-delay", "600",
+                          "--write-back-max-bytes", "256K", env=s.env):
+        (mnt / "shards").mkdir()
+        closed: dict[str, float] = {}
+        for rel, data in files.items():
+            fd = write_file(mnt / rel, data)
+            code, waited = close_errno(fd)
+            assert code == 0 and waited < CALL_BOUND, (rel, code, waited)
+            closed[rel] = waited
+            waiting = [r for r, got in bucket_sums(s, list(closed)).items() if got is None]
+            assert len(waiting) <= 4, waiting  # past 256 KiB the close waited for uploads to make room
+        fd = os.open(mnt / "model.bin", os.O_WRONLY | os.O_TRUNC)
+        try:
+            with pytest.raises(OSError) as info:
+                for _ in range(8):
+                    os.write(fd, os.urandom(256 * 1024))  # 2 MiB into a 1 MiB disk
+            assert info.value.errno == errno.ENOSPC
+        finally:
+            assert errno_of(lambda: os.close(fd)) == errno.ENOSPC  # (told again at close)
+        synced, waited = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0 and waited < CALL_BOUND, synced.stderr
+        assert bucket_sums(s, [*files, "model.bin"]) == {**{rel: sha(data) for rel, data in files.items()},
+                                                       "model.bin": sha(b"the old version")}
+        assert (mnt / "model.bin").read_bytes() == b"the old version"
+        assert failed_uploads(mnt, s.env) == []
+    assert staging_left(tiny_tmpfs) == []
+    print(f"closes past --write-back-max-bytes waited {max(closed.values()):.2f} s at most")
