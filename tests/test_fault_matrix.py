@@ -13,8 +13,9 @@ Where each cell runs, and why not elsewhere:
 - another client overwrites between open and close: local and S3. fake-gcs-server ignores
   ``ifGenerationMatch`` (DESIGN §7); test_writepath.py checks what marinfs asks of GCS.
 - write-back (``--write-back``: close returns once the bytes are staged): the store down during
-  background uploads, on S3 (the cell the default mode runs on S3 and GCS; here the uploads, the
-  status and ``marinfs sync`` are what is new, none of it backend-specific); a writer on another
+  background uploads and the daemon SIGKILLed with 1,000 files pending, on S3 (the default mode
+  runs those cells on S3 and GCS; here the queue, the next start, the status and ``marinfs
+  sync`` are what is new, none of it backend-specific); a writer on another
   node meanwhile and a full cache disk, on local and S3, as their default-mode cells.
 
 Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy.
@@ -675,6 +676,39 @@ def test_write_back_server_down_during_background_uploads_closes_return_sync_fai
         wait_for(lambda: failed_uploads(mnt, s.env) == [], within=5)
         assert staging_left(cache) == []
     print("store down during background uploads:", {k: round(v, 1) for k, v in timings.items()})
+
+
+@cells("s3")
+def test_write_back_daemon_sigkilled_with_1000_files_pending_the_next_start_uploads_all(store: Store,
+                                                                                         tmp_path: Path) -> None:
+    """1,000 small files closed (close returned 0: staged and journaled), none uploaded (a long
+    --write-back-delay), the daemon SIGKILLed: a new daemon on the same cache directory uploads
+    every one at its start, byte for byte, and leaves nothing in the staging directory. The store
+    is 50 ms away then (S3's and GCS's PUT latency): one upload after the other took 1,000 round
+    trips, 50 s before the mount came up, and `marinfs mount` gives up at 60 s."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    files = {f"run/d{i % 10}/f{i:04d}": os.urandom(1024 + (i * 37) % 3072) for i in range(1000)}
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, "--write-back-delay", "600", env=s.env) as pid:
+        for d in range(10):
+            (mnt / "run" / f"d{d}").mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        for rel, data in files.items():
+            (mnt / rel).write_bytes(data)  # each close returns once staged
+        wrote = time.monotonic() - started
+        sigkill(pid, mnt)
+    assert s.proxy is not None
+    sent = [t for _, m, t in s.proxy.arrivals if m == "PUT" and "/run/d" in t and not t.endswith("/")]
+    assert len(journals(cache)) == 1000 and not sent  # none uploaded (the directories' markers were)
+    s.proxy.delay, s.proxy.delay_match = 0.05, lambda req: req.method == "PUT"
+    started = time.monotonic()
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, env=s.env):  # the next start, same cache dir
+        mounted = time.monotonic() - started
+        assert mounted < 20, mounted
+        assert bucket_sums(s, list(files)) == {rel: sha(data) for rel, data in files.items()}
+        assert (mnt / "run/d3/f0003").read_bytes() == files["run/d3/f0003"]
+        assert failed_uploads(mnt, s.env) == []
+    assert staging_left(cache) == []
+    print(f"1,000 files: written in {wrote:.1f} s, the next start uploaded them and mounted in {mounted:.1f} s")
 
 
 @cells("local", "s3")
