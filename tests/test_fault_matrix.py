@@ -621,7 +621,7 @@ def marinfs(*args: str, env: dict[str, str], timeout: float = 120) -> tuple[subp
 def test_write_back_server_down_during_background_uploads_closes_return_sync_fails_then_all_land(
         store: Store, tmp_path: Path) -> None:
     """The store goes down while background uploads are in flight (each PUT waits 1 s at the
-    proxy), and stays down while more files are written: every close() returns 0; the failed
+    proxy), and stays down while more files are written: every close() returns 0 at once; the failed
     uploads are listed by `marinfs status` (and --json) with their error; `marinfs sync` of
     their directory, run at once, exits 1 in bounded time naming them (how many, the first five
     by name; none outside it); once the store
@@ -632,7 +632,7 @@ def test_write_back_server_down_during_background_uploads_closes_return_sync_fai
     before = {f"ckpt/before-{i}.bin": os.urandom(1000 + 997 * i) for i in range(6)}
     before["elsewhere.bin"] = os.urandom(1234)  # outside the directory synced below
     during = {f"ckpt/during-{i}.bin": os.urandom(2000 + 991 * i) for i in range(6)}
-    during["ckpt/big.bin"] = os.urandom(40 * MiB + 3)  # its parts would leave while it is written
+    during["ckpt/big.bin"] = os.urandom(40 * MiB + 3)  # a multipart upload, once the store is back
     files = {**before, **during}
     timings: dict[str, float] = {}
     with subprocess_mount(s.url, mnt, cache, *WB_ARGS, "--write-back-delay", "0", "--metadata-ttl", "60",
@@ -648,7 +648,7 @@ def test_write_back_server_down_during_background_uploads_closes_return_sync_fai
             fd = write_file(mnt / rel, data)
             code, _ = close_errno(fd)
             timings[rel] = time.monotonic() - started
-            assert code == 0 and timings[rel] < CALL_BOUND, (rel, code, timings[rel])
+            assert code == 0 and timings[rel] < 2.0, (rel, code, timings[rel])  # no request: staged
         # `marinfs sync` at once, as a job would: it waits for the uploads in flight to fail.
         synced, timings["sync"] = marinfs("sync", str(mnt / "ckpt"), env=s.env)
         assert synced.returncode == 1 and timings["sync"] < CALL_BOUND + 5, synced
