@@ -368,6 +368,9 @@ class HttpFaultProxy:
                 delay = self.delay if self.delay and self.delay_match(req) else 0.0
             if delay:
                 time.sleep(delay)
+                if self.down:  # it stopped while the request waited: never served
+                    self._record(req, "server stopped (request dropped)")
+                    return
             with self._lock:
                 stopping = self.stop_when is not None and self.stop_when(req)
                 if stopping:

@@ -12,6 +12,11 @@ Where each cell runs, and why not elsewhere:
 - staging disk full: local and S3 (a 1 MiB tmpfs cache directory, so root only).
 - another client overwrites between open and close: local and S3. fake-gcs-server ignores
   ``ifGenerationMatch`` (DESIGN §7); test_writepath.py checks what marinfs asks of GCS.
+- write-back (``--write-back``: close returns once the bytes are staged): the store down during
+  background uploads and the daemon SIGKILLed with 1,000 files pending, on S3 (the default mode
+  runs those cells on S3 and GCS; here the queue, the next start, the status and ``marinfs
+  sync`` are what is new, none of it backend-specific); a writer on another
+  node meanwhile and a full cache disk, on local and S3, as their default-mode cells.
 
 Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy.
 """
@@ -19,6 +24,7 @@ Servers sit behind ``faults.HttpFaultProxy``; only the daemon talks to the proxy
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -73,6 +79,8 @@ class Store:
             return None
 
     def put(self, rel: str, data: bytes) -> None:
+        if self.backend == "local":
+            self.client.makedirs(f"{self.root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
         self.client.pipe_file(f"{self.root}/{rel}", data)
 
     def incomplete_uploads(self) -> list[str]:
@@ -579,3 +587,210 @@ def test_what_works_while_the_server_is_down(store: Store, tmp_path: Path) -> No
         s.proxy.restart()
         assert (mnt / "d/cached.bin").read_bytes() == cached and (mnt / "d/uncached.bin").read_bytes() == uncached
         wait_committed(s, "d/new.txt", b"written while the server was down", within=COMMIT_BOUND)
+
+
+# -- write-back cells (--write-back: close returns once the bytes are staged and journaled) ---------
+WB_ARGS = [*MOUNT_ARGS, "--write-back"]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def bucket_sums(s: Store, rels: list[str]) -> dict[str, str | None]:
+    """sha256 of each object as the server holds it (read past the mount and the proxy, all at
+    once: s3fs and gcsfs fetch a list concurrently); None where there is no object."""
+    paths = [f"{s.root}/{rel}" for rel in rels]
+    got = s.client.cat(paths, on_error="return")
+    return {rel: sha(bytes(got[p])) if isinstance(got.get(p), (bytes, bytearray)) else None
+            for rel, p in zip(rels, paths)}
+
+
+def staging_left(cache: Path) -> list[str]:
+    return sorted(p.name for p in (cache / "staging").iterdir()) if (cache / "staging").is_dir() else []
+
+
+def marinfs(*args: str, env: dict[str, str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([*MARINFS, *args], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=timeout)
+    return done, time.monotonic() - started
+
+
+@cells("s3")
+def test_write_back_server_down_during_background_uploads_closes_return_sync_fails_then_all_land(
+        store: Store, tmp_path: Path) -> None:
+    """The store goes down while background uploads are in flight (each PUT waits 1 s at the
+    proxy), and stays down while more files are written: every close() returns 0 at once; the failed
+    uploads are listed by `marinfs status` (and --json) with their error; `marinfs sync` of
+    their directory, run at once, exits 1 in bounded time naming them (how many, the first five
+    by name; none outside it); once the store
+    is back the retry lands every byte (sha256 of each object, read past the mount and the proxy)."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    assert s.proxy is not None
+    s.proxy.delay, s.proxy.delay_match = 1.0, lambda req: req.method in ("PUT", "POST")
+    before = {f"ckpt/before-{i}.bin": os.urandom(1000 + 997 * i) for i in range(6)}
+    before["elsewhere.bin"] = os.urandom(1234)  # outside the directory synced below
+    during = {f"ckpt/during-{i}.bin": os.urandom(2000 + 991 * i) for i in range(6)}
+    during["ckpt/big.bin"] = os.urandom(40 * MiB + 3)  # a multipart upload, once the store is back
+    files = {**before, **during}
+    timings: dict[str, float] = {}
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, "--write-back-delay", "0", "--metadata-ttl", "60",
+                          env=s.env):
+        (mnt / "ckpt").mkdir()  # made here: new names in it need no request
+        for rel, data in before.items():
+            (mnt / rel).write_bytes(data)
+        wait_for(lambda: sum(1 for _, m, _t in s.proxy.arrivals if m == "PUT") == len(before), within=5)
+        s.proxy.stop_server()  # every upload in flight (held at the proxy) dies with it
+        down = time.monotonic()
+        for rel, data in during.items():  # written while the store is down
+            started = time.monotonic()
+            fd = write_file(mnt / rel, data)
+            code, _ = close_errno(fd)
+            timings[rel] = time.monotonic() - started
+            assert code == 0 and timings[rel] < 2.0, (rel, code, timings[rel])  # no request: staged
+        # `marinfs sync` at once, as a job would: it waits for the uploads in flight to fail.
+        synced, timings["sync"] = marinfs("sync", str(mnt / "ckpt"), env=s.env)
+        assert synced.returncode == 1 and timings["sync"] < CALL_BOUND + 5, synced
+        line = synced.stderr.strip().splitlines()[-1]  # (after its progress lines)
+        under = sorted(rel for rel in files if rel.startswith("ckpt/"))
+        assert (f"{len(under)} files failed to upload; their bytes are kept and retried: "
+                f"{', '.join(under[:5])} and {len(under) - 5} more (see `marinfs status") in line, line
+        wait_for(lambda: sorted(f["key"] for f in failed_uploads(mnt, s.env)) == sorted(files), within=5)
+        timings["all failed and listed"] = time.monotonic() - down
+        for failed in failed_uploads(mnt, s.env):
+            assert failed["attempts"] >= 1 and failed["error"] and not failed["final"], failed
+            assert sha(Path(failed["staged"]).read_bytes()) == sha(files[failed["key"]])
+        shown, _ = marinfs("status", str(mnt), env=s.env)
+        assert shown.returncode == 0 and "write-back: 0 queued or uploading" in shown.stdout, shown.stdout
+        assert all(f"failed {rel} (retrying;" in shown.stdout for rel in files), shown.stdout
+        assert set(bucket_sums(s, list(files)).values()) == {None}  # nothing landed while down
+        s.proxy.delay = 0.0
+        s.proxy.restart()
+        started = time.monotonic()
+        want = {rel: sha(data) for rel, data in files.items()}
+        wait_for(lambda: bucket_sums(s, list(files)) == want, within=COMMIT_BOUND)
+        timings["landed once back"] = time.monotonic() - started
+        synced, _ = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0, synced.stderr
+        wait_for(lambda: failed_uploads(mnt, s.env) == [], within=5)
+        assert staging_left(cache) == []
+    print("store down during background uploads:", {k: round(v, 1) for k, v in timings.items()})
+
+
+@cells("s3")
+def test_write_back_daemon_sigkilled_with_1000_files_pending_the_next_start_uploads_all(store: Store,
+                                                                                         tmp_path: Path) -> None:
+    """1,000 small files closed (close returned 0: staged and journaled), none uploaded (a long
+    --write-back-delay), the daemon SIGKILLed: a new daemon on the same cache directory uploads
+    every one at its start, byte for byte, and leaves nothing in the staging directory. The store
+    is 50 ms away then (S3's and GCS's PUT latency): one upload after the other took 1,000 round
+    trips, 50 s before the mount came up, and `marinfs mount` gives up at 60 s."""
+    s, mnt, cache = store, tmp_path / "mnt", tmp_path / "cache"
+    files = {f"run/d{i % 10}/f{i:04d}": os.urandom(1024 + (i * 37) % 3072) for i in range(1000)}
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, "--write-back-delay", "600", env=s.env) as pid:
+        for d in range(10):
+            (mnt / "run" / f"d{d}").mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        for rel, data in files.items():
+            (mnt / rel).write_bytes(data)  # each close returns once staged
+        wrote = time.monotonic() - started
+        sigkill(pid, mnt)
+    assert s.proxy is not None
+    sent = [t for _, m, t in s.proxy.arrivals if m == "PUT" and "/run/d" in t and not t.endswith("/")]
+    assert len(journals(cache)) == 1000 and not sent  # none uploaded (the directories' markers were)
+    s.proxy.delay, s.proxy.delay_match = 0.05, lambda req: req.method == "PUT"
+    started = time.monotonic()
+    with subprocess_mount(s.url, mnt, cache, *WB_ARGS, env=s.env):  # the next start, same cache dir
+        mounted = time.monotonic() - started
+        assert mounted < 20, mounted
+        assert bucket_sums(s, list(files)) == {rel: sha(data) for rel, data in files.items()}
+        assert (mnt / "run/d3/f0003").read_bytes() == files["run/d3/f0003"]
+        assert failed_uploads(mnt, s.env) == []
+    assert staging_left(cache) == []
+    print(f"1,000 files: written in {wrote:.1f} s, the next start uploaded them and mounted in {mounted:.1f} s")
+
+
+@cells("local", "s3")
+def test_write_back_a_conflicting_writer_on_another_node_gets_their_object_and_ours_beside(
+        store: Store, tmp_path: Path) -> None:
+    """This node closes a rewrite of an existing object and a new file (queued, not uploaded:
+    a long --write-back-delay); another node (a second mount of the prefix) writes both names
+    meanwhile. The uploads meet the other writer's objects: theirs stay, ours land beside as
+    conflict copies, listed by `marinfs status`; nothing is lost."""
+    s, mnt, other = store, tmp_path / "mnt", tmp_path / "other"
+    s.put("shared/model.txt", b"version 1")
+    ours = {"shared/model.txt": os.urandom(3000), "shared/new.txt": os.urandom(2000)}
+    theirs = {"shared/model.txt": os.urandom(3100), "shared/new.txt": os.urandom(2100)}
+    with subprocess_mount(s.url, mnt, tmp_path / "cache", *WB_ARGS, "--write-back-delay", "600", env=s.env):
+        assert (mnt / "shared/model.txt").read_bytes() == b"version 1"
+        for rel, data in ours.items():
+            (mnt / rel).write_bytes(data)  # close returns: queued
+        assert bucket_sums(s, list(ours)) == {"shared/model.txt": sha(b"version 1"), "shared/new.txt": None}
+        time.sleep(0.01)  # (a local version is mtime-based: the other write must differ in time)
+        with subprocess_mount(s.url, other, tmp_path / "other-cache", *MOUNT_ARGS, env=s.env):
+            for rel, data in theirs.items():
+                (other / rel).write_bytes(data)  # the other node's close commits
+        synced, _ = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0, synced.stderr  # every byte landed, beside theirs
+        uploads: dict[str, Any] = {}
+
+        def conflicts_shown() -> bool:  # (the daemon publishes its status every 2 s)
+            status, _ = marinfs("status", "--json", str(mnt), env=s.env)
+            uploads.update(json.loads(status.stdout)[0]["uploads"])
+            return len(uploads["conflicts"]) == len(ours)
+
+        wait_for(conflicts_shown, within=5)
+        conflicts = {c["key"]: c["committed_as"] for c in uploads["conflicts"]}
+        assert sorted(conflicts) == sorted(ours) and uploads["failed"] == [], uploads
+        text, _ = marinfs("status", str(mnt), env=s.env)
+        for rel, copy in conflicts.items():
+            assert copy.startswith(f"{rel}.marinfs-conflict-"), copy
+            assert f"conflict {rel}: changed by someone else; our bytes are in {copy}" in text.stdout, text.stdout
+        assert bucket_sums(s, [*theirs, *conflicts.values()]) == {
+            **{rel: sha(data) for rel, data in theirs.items()},
+            **{copy: sha(ours[rel]) for rel, copy in conflicts.items()}}
+        for rel, data in theirs.items():  # this node now shows theirs, and its copy beside
+            assert (mnt / rel).read_bytes() == data
+        assert sorted(os.listdir(mnt / "shared")) == sorted(Path(p).name for p in [*theirs, *conflicts.values()])
+    assert staging_left(tmp_path / "cache") == []
+
+
+@cells("local", "s3")
+def test_write_back_a_full_cache_disk_is_enospc_at_the_write_or_a_wait_at_close_never_a_lost_file(
+        store: Store, tiny_tmpfs: Path, tmp_path: Path) -> None:
+    """A 1 MiB cache disk under write-back (uploads held: a long --write-back-delay). With
+    --write-back-max-bytes under the disk's size, closes past it wait for uploads to make room
+    and return 0; a file larger than the disk fails its write() with ENOSPC (not only its
+    close), and nothing of it is uploaded: the old object stays. Every file whose close returned
+    0 is in the bucket, byte for byte; nothing is left in the staging directory."""
+    s, mnt = store, tmp_path / "mnt"
+    s.put("model.bin", b"the old version")
+    files = {f"shards/s{i:02d}": os.urandom(64 * 1024 - i) for i in range(20)}  # 1.25 MiB in all
+    with subprocess_mount(s.url, mnt, tiny_tmpfs, *WB_ARGS, "--cache-size", "0", "--write-back-delay", "600",
+                          "--write-back-max-bytes", "256K", env=s.env):
+        (mnt / "shards").mkdir()
+        closed: dict[str, float] = {}
+        for rel, data in files.items():
+            fd = write_file(mnt / rel, data)
+            code, waited = close_errno(fd)
+            assert code == 0 and waited < CALL_BOUND, (rel, code, waited)
+            closed[rel] = waited
+            waiting = [r for r, got in bucket_sums(s, list(closed)).items() if got is None]
+            assert len(waiting) <= 4, waiting  # past 256 KiB the close waited for uploads to make room
+        fd = os.open(mnt / "model.bin", os.O_WRONLY | os.O_TRUNC)
+        try:
+            with pytest.raises(OSError) as info:
+                for _ in range(8):
+                    os.write(fd, os.urandom(256 * 1024))  # 2 MiB into a 1 MiB disk
+            assert info.value.errno == errno.ENOSPC
+        finally:
+            assert errno_of(lambda: os.close(fd)) == errno.ENOSPC  # (told again at close)
+        synced, waited = marinfs("sync", str(mnt), env=s.env)
+        assert synced.returncode == 0 and waited < CALL_BOUND, synced.stderr
+        assert bucket_sums(s, [*files, "model.bin"]) == {**{rel: sha(data) for rel, data in files.items()},
+                                                       "model.bin": sha(b"the old version")}
+        assert (mnt / "model.bin").read_bytes() == b"the old version"
+        assert failed_uploads(mnt, s.env) == []
+    assert staging_left(tiny_tmpfs) == []
+    print(f"closes past --write-back-max-bytes waited {max(closed.values()):.2f} s at most")

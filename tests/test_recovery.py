@@ -430,3 +430,39 @@ def test_a_journal_is_rewritten_in_place_and_reads_back_whole_longer_or_shorter(
     write_journal(path, big)
     assert os.stat(path).st_ino != inode and json.loads(Path(path).read_text()) == big
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_status_is_published_while_a_retry_pass_waits_on_a_store_that_is_down(
+        tmp_path: Path, remote: Remote) -> None:
+    """A retry pass over kept commits waits out the store's timeouts (minutes with the default
+    --connect-timeout and --retries when it is down). It ran on the thread that publishes what
+    `marinfs status` and `marinfs sync` read, which then stood still for the whole pass."""
+    from types import SimpleNamespace
+
+    from marinfs.app.daemon import _watch_mount
+    from marinfs.read.chunkcache import stats_file
+
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging")
+    passing = threading.Event()
+    fs.writes.failing = lambda: True  # type: ignore[method-assign]
+    fs.retry_failed_commits = lambda: passing.wait(30)  # type: ignore[method-assign]  # the store hangs
+    cfg = SimpleNamespace(mountpoint="/", mount_timeout=5, read_ahead_kb=0, commit_retry_interval=0.1,
+                          cache_dir=tmp_path, remote=remote.url)
+    stop, live = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_watch_mount, args=(fs, cfg, stop, live), daemon=True)
+    watcher.start()
+    seen: set[float] = set()
+    try:
+        deadline = time.monotonic() + 4.5
+        while time.monotonic() < deadline:
+            try:
+                seen.add(json.loads(stats_file(tmp_path).read_text())["published"])
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        passing.set()
+        watcher.join(10)
+        fs.close()
+    assert len(seen) >= 3, sorted(seen)  # at once, then every 2 s, the pass waiting all along

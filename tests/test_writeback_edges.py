@@ -560,3 +560,42 @@ def test_a_retried_delete_of_a_file_open_for_writing_when_removed_spares_another
         assert stored(remote, "f") == b"another node's"
     finally:
         fs.close_all()
+
+
+def test_a_background_upload_that_fails_is_tried_once_not_again_by_the_release_behind_it(
+        remote: Remote, tmp_path: Path) -> None:
+    """close(2) is a FUSE flush, then a release. With --write-back-delay 0 the upload the flush
+    queued may begin before the release comes; the release queued it a second time, so an upload
+    that failed (the store down) was sent again at once, every attempt doubled before its bytes
+    were kept and reported (found by test_fault_matrix's store-down cell)."""
+    upload = remote.upload
+    began, fail = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def down(local: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(key)
+        began.set()
+        fail.wait(10)
+        raise OSError(errno.EIO, "injected: the store is down", key)
+
+    remote.upload = down  # type: ignore[method-assign]
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=0)
+    try:
+        fh = fs.create("/f", CREAT).fh
+        fs.write(fh, b"bytes", 0)
+        fs.flush(fh)
+        assert began.wait(10)  # the upload began before the release
+        fs.release(fh)
+        fail.set()
+        deadline = time.monotonic() + 10
+        while not fs.upload_status()["failed"] or fs.upload_status()["write_back"]["queued"]:
+            assert time.monotonic() < deadline, fs.upload_status()
+            time.sleep(0.01)
+        assert calls == ["f"] and [f["key"] for f in fs.upload_status()["failed"]] == ["f"]
+        remote.upload = upload  # type: ignore[method-assign]
+        fs.retry_failed_commits()
+        assert stored(remote, "f") == b"bytes"
+    finally:
+        fail.set()
+        remote.upload = upload  # type: ignore[method-assign]
+        fs.close_all()

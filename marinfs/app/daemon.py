@@ -189,7 +189,7 @@ def warn_of_shared_default(cache_dir: Path) -> None:
 def write_stats(fs, cfg: MountConfig, started: float, stopped: bool = False) -> None:  # noqa: ANN001 - Filesystem
     """Publish the daemon's counters for `marinfs cache stats` (atomically, 0600); ``stopped``:
     the last figures, once unmounted and drained (`marinfs umount` reads what is left behind)."""
-    data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint,
+    data = {"pid": os.getpid(), "remote": cfg.remote, "mountpoint": cfg.mountpoint, "published": time.time(),
             "uptime_s": round(time.monotonic() - started, 1), "stopped": stopped, **fs.stats(),
             **fetcher_stats(fs.fetcher)}
     path = stats_file(cfg.cache_dir)
@@ -228,9 +228,9 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
     sd_notify(f"READY=1\nSTATUS=mounted {cfg.remote} at {cfg.mountpoint}")
     if cfg.read_ahead_kb:
         set_read_ahead(cfg.mountpoint, cfg.read_ahead_kb)
-    last_retry = time.monotonic()
+    start_thread(_retry_commits, "marinfs-retry", fs, cfg, stop)
     trimmed = False
-    while not stop.wait(min(2.0, max(cfg.commit_retry_interval, 0.1))):
+    while not stop.wait(2.0):
         try:
             write_stats(fs, cfg, started)
         except OSError as exc:
@@ -239,11 +239,19 @@ def _watch_mount(fs, cfg: MountConfig, stop: threading.Event, live: threading.Ev
         if quiet and not trimmed:
             log.debug("no read for %.0f s: chunk memory and idle buffers given back", MEMORY_IDLE_SECONDS)
         trimmed = quiet
+
+
+def _retry_commits(fs, cfg: MountConfig, stop: threading.Event) -> None:  # noqa: ANN001 - Filesystem
+    """Commit again what failed, every --commit-retry-interval, on a thread of its own: a pass
+    over many files while the store is down takes their timeouts one after the other, and the
+    stats `marinfs status` and `marinfs sync` read must not stop meanwhile (they did)."""
+    last_retry = time.monotonic()
+    while not stop.wait(min(2.0, max(cfg.commit_retry_interval, 0.1))):
         if fs.writes.failing() and time.monotonic() - last_retry >= cfg.commit_retry_interval:
             last_retry = time.monotonic()
             try:
                 fs.retry_failed_commits()
-            except Exception:  # noqa: BLE001 - the watcher must live on: it publishes stats and retries
+            except Exception:  # noqa: BLE001 - the retry loop must live on
                 log.exception("the commit retry pass failed")
 
 

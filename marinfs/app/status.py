@@ -39,7 +39,7 @@ def collect(mountpoint: str | None = None) -> list[dict[str, Any]]:
             if info.get("cache_dir") and stats.exists():
                 published = json.loads(stats.read_text())
                 if published.get("pid") == info.get("pid"):
-                    item.update({k: published[k] for k in ("uptime_s", "cache", "remote_requests", "uploads", "memory", "passthrough",
+                    item.update({k: published[k] for k in ("published", "uptime_s", "cache", "remote_requests", "uploads", "memory", "passthrough",
                                                               "sources", "shared")
                                  if k in published})
             if "uptime_s" not in item and isinstance(info.get("started"), (int, float)):

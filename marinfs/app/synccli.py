@@ -20,6 +20,7 @@ from marinfs.errors import MarinfsError, UsageError
 
 XATTR_SYNC = "user.marinfs.sync"  # (core/attributes.py's name; app/ reads it through the mount)
 PROGRESS_EVERY = 2.0  # seconds between progress lines
+PUBLISHED_WITHIN = 3.0  # the daemon publishes its status every 2 s
 
 
 def sync(paths: list[str], quiet: bool = False) -> str:
@@ -69,13 +70,36 @@ def _sync_one(path: str, mountpoint: str, quiet: bool) -> None:
     if error is None:
         return
     if isinstance(error, OSError) and error.errno == errno.EIO:
-        failed = [f.get("key") for item in _status(mountpoint) for f in item.get("uploads", {}).get("failed", [])]
-        raise MarinfsError(f"{path}: files failed to upload; their bytes are kept and retried"
-                           + (f": {', '.join(map(str, failed[:5]))}" if failed else "")
-                           + f" (see `marinfs status {mountpoint}`)")
+        failed, deletes = _failed_under(path, mountpoint, since=time.time())
+        keys = sorted(set(failed) | set(deletes))
+        what = f"{len(keys)} file{'s' * (len(keys) != 1)}" if keys else "files"
+        named = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        kept = "they are" if deletes else "their bytes are"
+        raise MarinfsError(f"{path}: {what} failed to upload{' or to delete' if deletes else ''}; {kept} kept "
+                           f"and retried" + (f": {named}" if keys else "") + f" (see `marinfs status {mountpoint}`)")
     if isinstance(error, OSError) and error.errno in (errno.ENODATA, errno.ENOTSUP):
         raise UsageError(f"{path}: this mount's daemon does not know `marinfs sync` (remount it)")
     raise error
+
+
+def _failed_under(path: str, mountpoint: str, since: float) -> tuple[list[str], list[str]]:
+    """The keys under ``path`` whose bytes are kept after a failed upload, and those whose delete
+    failed, sorted, as the daemon publishes them (every 2 s): from figures published after
+    ``since`` (the barrier's answer), waited for up to PUBLISHED_WITHIN s. (All the mount's were
+    named, from figures up to 2 s old.)"""
+    tree = os.path.relpath(path, mountpoint)
+    deadline = time.monotonic() + PUBLISHED_WITHIN
+    while True:
+        items = _status(mountpoint)
+        if all(item.get("published", 0) >= since for item in items) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+
+    def under(kind: str) -> list[str]:
+        keys = {str(f.get("key")) for item in items for f in item.get("uploads", {}).get(kind, [])}
+        return sorted(k for k in keys if tree == "." or k == tree or k.startswith(tree + "/"))
+
+    return under("failed"), under("failed_deletes")
 
 
 def _status(mountpoint: str) -> list[dict]:

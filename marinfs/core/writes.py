@@ -98,8 +98,8 @@ class Writes:
         self.write_back_paths = tuple(write_back_paths)
         self._scope = [compile_glob(g) for g in write_back_paths]
         # The queue exists wherever some file may be written back: its barriers are mount-wide.
-        self.write_back = (WriteBack(self.commit, self.release, workers=write_back_uploads, delay=write_back_delay,
-                                     hold=self.is_held)
+        self.write_back = (WriteBack(self._upload_queued, self.release, workers=write_back_uploads,
+                                     delay=write_back_delay, hold=self.is_held)
                            if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
         self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed,
@@ -426,6 +426,15 @@ class Writes:
         if not self.write_back.enqueue(staged):  # queued already: that task uploads it
             with self.lock:
                 staged.let_go()
+
+    def _upload_queued(self, staged: StagedFile) -> None:
+        """A background upload (write-back). A second task of bytes whose upload just failed
+        sends nothing: a release queues the file again when the upload the flush queued has
+        already begun, and that failure keeps the bytes for the retry loop (they were sent
+        twice, every attempt and timeout doubled, before being kept and reported)."""
+        with staged.lock:
+            if not staged.failed_unchanged:
+                self.commit_locked(staged)
 
     def commit(self, staged: StagedFile) -> None:
         """Commit on close: returns only once the remote has the bytes, or raises its error."""
