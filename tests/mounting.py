@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,9 @@ class Mounted:
     cache_dir: Path
     pid: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Called with an object's remote path once put_remote stored it: conftest's shared-tier
+    # variant has another node read it into the tier, so the mount then reads it from there.
+    warm: Callable[[str], None] | None = None
 
     def remote_path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -51,6 +54,8 @@ class Mounted:
 
     def put_remote(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.remote_path(rel), data)
+        if self.warm is not None:
+            self.warm(self.remote_path(rel))
 
 
 @contextlib.contextmanager
@@ -214,10 +219,12 @@ def daemon_pid(mnt: Path) -> int:
 def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict | None = None,
                     cache_size: int = 0, chunk_size: int = 8 << 20, metadata_ttl: float = 5.0,
                     negative_ttl: float = 1.0, list_ttl: float | None = None,
-                    immutable: tuple[str, ...] = (), **fs_kwargs: Any) -> Iterator[Any]:
+                    immutable: tuple[str, ...] = (), shared_dir: Path | None = None,
+                    **fs_kwargs: Any) -> Iterator[Any]:
     """Serve the mount from a thread of this process; yields the core Filesystem (whose
     ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
-    ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
+    ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``; with ``shared_dir``
+    a shared chunk tier there, as ``--shared-cache-dir`` gives the daemon (its default limits)."""
     tiers.check("mount FUSE (inprocess_mount)")
     from marinfs.read.chunkcache import ChunkCache
     from marinfs.config.mount import MountConfig
@@ -225,12 +232,18 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     from marinfs.fuse.ops import FuseAdapter, serve
     from marinfs.meta.metadata import MetadataCache
     from marinfs.read.reader import ChunkFetcher
+    from marinfs.read.sharedcache import SharedTier, check_private
     from marinfs.remote import Remote
 
     mnt.mkdir(parents=True, exist_ok=True)
     remote = Remote(url, storage_options)
     cache = ChunkCache(cache_dir, cache_size, chunk_size=chunk_size) if cache_size else None
-    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into)
+    shared = None
+    if shared_dir is not None:
+        check_private(shared_dir)
+        shared = SharedTier(shared_dir, MountConfig.shared_cache_size, lease_ttl=MountConfig.shared_cache_lease)
+    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into,
+                           shared=shared)
     fs = Filesystem(remote, staging_dir=cache_dir / "staging", fetcher=fetcher,
                     metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=negative_ttl, list_ttl=list_ttl,
                                            immutable=immutable),
