@@ -78,6 +78,41 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+@contextlib.contextmanager
+def weed_mount(filer: str, path: str, where: Path, work: Path) -> Iterator[Path]:
+    """``weed mount`` (SeaweedFS's FUSE client of its filer) of the filer directory ``path`` at
+    ``where``: two of one directory stand for a filesystem two nodes mount (NFS). ``filer``:
+    ``S3Server.filer()``; ``work`` holds its chunk cache, socket and log. Unmounted after
+    (fusermount3, lazily if busy), its process waited for and killed by PID if it stays."""
+    tiers.check("mount FUSE (weed mount)")
+    from servers import weed_binary
+
+    where.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log = open(work / "weed-mount.log", "ab")
+    proc = subprocess.Popen(
+        [str(weed_binary()), f"-logdir={work}", "mount", f"-filer={filer}", f"-filer.path={path}", f"-dir={where}",
+         f"-cacheDir={work / 'cache'}", f"-localSocket={work / 'w.sock'}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not fuse_connections(where):  # (mountinfo: a stat of a mount coming up may hang)
+            if proc.poll() is not None:
+                raise AssertionError(f"weed mount exited {proc.returncode}: "
+                                     f"{(work / 'weed-mount.log').read_text(errors='replace')[-2000:]}")
+            assert time.monotonic() < deadline, "weed mount not up after 60 s"
+            time.sleep(0.05)
+        yield where
+    finally:
+        force_unmount(where)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        log.close()
+
+
 def force_unmount(mnt: Path) -> None:
     """Unmount, lazily if busy; never leaves a mount behind."""
     for args in (["-u"], ["-u", "-z"]):
