@@ -202,13 +202,14 @@ def mount_backend(request: pytest.FixtureRequest, backend: str, base: Path) -> I
                 assert sources["shared"], f"no chunk came from the shared tier: {sources}"
 
 
-def warm_tier(peer: Path, root: str, tier: Path, warmed: list[str], remote_path: str) -> None:
+def warm_tier(peer: Path, root: str, tier: Path, warmed: list[str], remote_path: str, data: bytes) -> None:
     """Another node (``peer``, a mount of the same prefix on the same tier that trusts no
     cached stat) reads the object at ``remote_path`` whole, and its chunks are published, before
-    the test's mount reads it: so that mount reads it from the tier, not the bucket."""
+    the test's mount reads it: so that mount reads it from the tier, not the bucket. What the
+    peer read must be ``data``, the bytes just stored (not an older version's, from the tier)."""
     with open(peer / os.path.relpath(remote_path, root), "rb", buffering=0) as f:
-        while f.read(8 << 20):
-            pass
+        got = b"".join(iter(lambda: f.read(8 << 20), b""))
+    assert got == data, f"another node read {len(got)} bytes of {remote_path}, not the {len(data)} just stored"
     deadline = time.monotonic() + 30
     while any((tier / "leases").iterdir()) or any((tier / "tmp").iterdir()):  # publishes under way
         assert time.monotonic() < deadline, "the peer's chunks never landed in the shared tier"

@@ -39,9 +39,10 @@ class Mounted:
     cache_dir: Path
     pid: int | None = None
     env: dict[str, str] = field(default_factory=dict)
-    # Called with an object's remote path once put_remote stored it: conftest's shared-tier
-    # variant has another node read it into the tier, so the mount then reads it from there.
-    warm: Callable[[str], None] | None = None
+    # Called with an object's remote path and bytes once put_remote stored it: conftest's
+    # shared-tier variant has another node read it (and check it) into the tier, so the mount
+    # then reads it from there.
+    warm: Callable[[str, bytes], None] | None = None
 
     def remote_path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -55,7 +56,7 @@ class Mounted:
     def put_remote(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.remote_path(rel), data)
         if self.warm is not None:
-            self.warm(self.remote_path(rel))
+            self.warm(self.remote_path(rel), data)
 
 
 @contextlib.contextmanager
