@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ class Mounted:
     cache_dir: Path
     pid: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Called with an object's remote path and bytes once put_remote stored it: conftest's
+    # shared-tier variant has another node read it (and check it) into the tier, so the mount
+    # then reads it from there.
+    warm: Callable[[str, bytes], None] | None = None
 
     def remote_path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -51,6 +55,8 @@ class Mounted:
 
     def put_remote(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.remote_path(rel), data)
+        if self.warm is not None:
+            self.warm(self.remote_path(rel), data)
 
 
 @contextlib.contextmanager
@@ -71,6 +77,41 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
             if not os.path.ismount(path):
                 break
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def weed_mount(filer: str, path: str, where: Path, work: Path) -> Iterator[Path]:
+    """``weed mount`` (SeaweedFS's FUSE client of its filer) of the filer directory ``path`` at
+    ``where``: two of one directory stand for a filesystem two nodes mount (NFS). ``filer``:
+    ``S3Server.filer()``; ``work`` holds its chunk cache, socket and log. Unmounted after
+    (fusermount3, lazily if busy), its process waited for and killed by PID if it stays."""
+    tiers.check("mount FUSE (weed mount)")
+    from servers import weed_binary
+
+    where.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log = open(work / "weed-mount.log", "ab")
+    proc = subprocess.Popen(
+        [str(weed_binary()), f"-logdir={work}", "mount", f"-filer={filer}", f"-filer.path={path}", f"-dir={where}",
+         f"-cacheDir={work / 'cache'}", f"-localSocket={work / 'w.sock'}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not fuse_connections(where):  # (mountinfo: a stat of a mount coming up may hang)
+            if proc.poll() is not None:
+                raise AssertionError(f"weed mount exited {proc.returncode}: "
+                                     f"{(work / 'weed-mount.log').read_text(errors='replace')[-2000:]}")
+            assert time.monotonic() < deadline, "weed mount not up after 60 s"
+            time.sleep(0.05)
+        yield where
+    finally:
+        force_unmount(where)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        log.close()
 
 
 def force_unmount(mnt: Path) -> None:
@@ -214,10 +255,12 @@ def daemon_pid(mnt: Path) -> int:
 def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict | None = None,
                     cache_size: int = 0, chunk_size: int = 8 << 20, metadata_ttl: float = 5.0,
                     negative_ttl: float = 1.0, list_ttl: float | None = None,
-                    immutable: tuple[str, ...] = (), **fs_kwargs: Any) -> Iterator[Any]:
+                    immutable: tuple[str, ...] = (), shared_dir: Path | None = None,
+                    **fs_kwargs: Any) -> Iterator[Any]:
     """Serve the mount from a thread of this process; yields the core Filesystem (whose
     ``remote.stats`` and ``fetcher.cache`` count what the test's syscalls caused). With
-    ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``."""
+    ``cache_size`` the mount has an on-disk chunk cache in ``cache_dir``; with ``shared_dir``
+    a shared chunk tier there, as ``--shared-cache-dir`` gives the daemon (its default limits)."""
     tiers.check("mount FUSE (inprocess_mount)")
     from marinfs.read.chunkcache import ChunkCache
     from marinfs.config.mount import MountConfig
@@ -225,12 +268,18 @@ def inprocess_mount(url: str, mnt: Path, cache_dir: Path, storage_options: dict 
     from marinfs.fuse.ops import FuseAdapter, serve
     from marinfs.meta.metadata import MetadataCache
     from marinfs.read.reader import ChunkFetcher
+    from marinfs.read.sharedcache import SharedTier, check_private
     from marinfs.remote import Remote
 
     mnt.mkdir(parents=True, exist_ok=True)
     remote = Remote(url, storage_options)
     cache = ChunkCache(cache_dir, cache_size, chunk_size=chunk_size) if cache_size else None
-    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into)
+    shared = None
+    if shared_dir is not None:
+        check_private(shared_dir)
+        shared = SharedTier(shared_dir, MountConfig.shared_cache_size, lease_ttl=MountConfig.shared_cache_lease)
+    fetcher = ChunkFetcher(remote.read_range, cache, chunk_size=chunk_size, fetch_into=remote.read_into,
+                           shared=shared)
     fs = Filesystem(remote, staging_dir=cache_dir / "staging", fetcher=fetcher,
                     metadata=MetadataCache(ttl=metadata_ttl, negative_ttl=negative_ttl, list_ttl=list_ttl,
                                            immutable=immutable),

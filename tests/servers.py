@@ -150,6 +150,12 @@ class S3Server:
         self.stop()
         self.proc = start_seaweedfs(self.workdir, self.bucket, args=list(self.proc.args), endpoint=self.endpoint).proc
 
+    def filer(self) -> str:
+        """The filer's address as ``weed mount -filer=`` takes it: host:port.grpcport (its
+        gRPC port is not the default port + 10000 here)."""
+        flags = dict(a.lstrip("-").split("=", 1) for a in self.proc.args if isinstance(a, str) and "=" in a)
+        return f"{_LOCAL}:{flags['filer.port']}.{flags['filer.port.grpc']}"
+
     def rclone_remote(self) -> str:
         """The bucket as an rclone on-the-fly remote (``:s3,...:bucket``), for peer tests."""
         return (f":s3,provider=Other,endpoint='{self.endpoint}',access_key_id={self.access_key},"

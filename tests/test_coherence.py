@@ -5,6 +5,7 @@ runs in this process so the test can read its request counters."""
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import object_store
+from conftest import SHARED, check_shared_tier, object_store
 from mounting import fsspec_client, inprocess_mount, subprocess_mount
 import tiers
 
@@ -41,19 +42,33 @@ class Nodes:
         return dict(self.b_core.remote.stats.snapshot()["requests"])
 
 
+# The tests that read files' bytes also run with both nodes on one shared chunk tier (the
+# fixture's SHARED variant; conftest.SHARED_TIER_FILES says why only where bytes are read).
+READS = pytest.mark.parametrize("nodes", ["s3", "gcs", SHARED], indirect=True)
+
+
 @pytest.fixture(params=["s3", "gcs"])
 @tiers.needs("mount")
 def nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
+    """Nodes A and B; in the shared variant both on one shared chunk tier (--shared-cache-dir)
+    and one chunk size (A's, the default: B's 1 MiB elsewhere), so each reads what the other
+    fetched: a version another node or client wrote since must never be served from it."""
     url, options, env = object_store(request, request.param)
     client, root = fsspec_client(url, {**options, "use_listings_cache": False})
     client.pipe_file(f"{root}/.keep", b"")  # the prefix exists before either node mounts
     immutable = getattr(request, "param_immutable", ())
+    shared = tmp_path / "shared" if request.param == SHARED else None
+    tier = ["--shared-cache-dir", str(shared)] if shared else []
     with subprocess_mount(url, tmp_path / "a", tmp_path / "cache-a", "--metadata-ttl", str(TTL),
-                          "--negative-ttl", str(NEG_TTL), env=env), \
+                          "--negative-ttl", str(NEG_TTL), *tier, env=env), \
             inprocess_mount(url, tmp_path / "b", tmp_path / "cache-b", storage_options=options,
-                            cache_size=256 * MiB, chunk_size=1 * MiB, metadata_ttl=TTL,
-                            negative_ttl=NEG_TTL, immutable=("ckpt/*/step-*/**",) + tuple(immutable)) as core:
+                            cache_size=256 * MiB, chunk_size=8 * MiB if shared else 1 * MiB, metadata_ttl=TTL,
+                            negative_ttl=NEG_TTL, immutable=("ckpt/*/step-*/**",) + tuple(immutable),
+                            shared_dir=shared) as core:
         yield Nodes(tmp_path / "a", tmp_path / "b", core, client, root)
+    if shared:  # both unmounted: their tier never failed them
+        check_shared_tier(json.loads((tmp_path / "cache-a" / "stats.json").read_text()))
+        check_shared_tier({"shared": core.fetcher.shared.snapshot()})
 
 
 def eventually(check: Callable[[], bool], within: float = VISIBLE_WITHIN) -> float:
@@ -83,6 +98,7 @@ def test_create_on_a_is_visible_on_b_only_after_close(nodes: Nodes) -> None:
     assert (nodes.b / "new.bin").read_bytes() == b"part one;part two"
 
 
+@READS
 def test_overwrite_on_a_is_read_by_b_after_the_ttl(nodes: Nodes) -> None:
     nodes.c_put("f", b"old" * 1000)
     eventually(lambda: exists(nodes.b / "f"))
@@ -91,6 +107,7 @@ def test_overwrite_on_a_is_read_by_b_after_the_ttl(nodes: Nodes) -> None:
     eventually(lambda: (nodes.b / "f").read_bytes() == b"new" * 1000)
 
 
+@READS
 def test_an_open_handle_never_mixes_versions(nodes: Nodes) -> None:
     old, new = os.urandom(24 * MiB), os.urandom(24 * MiB)
     nodes.c_put("shard", old)
@@ -126,6 +143,7 @@ def test_delete_on_a_is_enoent_on_b(nodes: Nodes) -> None:
         open(nodes.b / "doomed")
 
 
+@READS
 def test_b_never_sees_the_marker_before_the_data(nodes: Nodes) -> None:
     shards = {f"out/shard-{i}.bin": os.urandom(2 * MiB) for i in range(3)}
     (nodes.a / "out").mkdir()
@@ -153,6 +171,7 @@ def test_listing_on_b_picks_up_new_entries(nodes: Nodes) -> None:
     eventually(lambda: sorted(os.listdir(nodes.b / "ckpts")) == ["step-1", "step-2"])
 
 
+@READS
 def test_an_immutable_path_is_served_from_cache_with_no_requests(nodes: Nodes) -> None:
     data = os.urandom(3 * MiB)
     nodes.c_put("ckpt/run/step-100/model.bin", data)
@@ -182,6 +201,7 @@ def test_polling_a_status_file_costs_one_request_per_ttl(nodes: Nodes) -> None:
     assert sum(counts.values()) <= 2 * (seconds / TTL + 2), counts
 
 
+@READS
 def test_handles_of_two_versions_never_read_each_others_pages(nodes: Nodes) -> None:
     """The kernel keeps one page cache per file, not per handle: an old version's handle must
     not fill it with bytes that a handle of the new version then reads, nor the other way.
@@ -235,6 +255,7 @@ def test_handles_of_two_versions_never_read_each_others_pages(nodes: Nodes) -> N
     eventually(mapped_shared)
 
 
+@READS
 def test_a_file_made_again_under_an_open_name_is_mapped_as_usual(nodes: Nodes) -> None:
     """Unlinked and written again on this node, a name is a new inode: its readers share
     nothing with the old file's open handle, and map it shared as any file."""
@@ -251,6 +272,7 @@ def test_a_file_made_again_under_an_open_name_is_mapped_as_usual(nodes: Nodes) -
         assert os.pread(old.fileno(), 3, 9000) == b"old"  # the unlinked file, still open
 
 
+@READS
 def test_a_reader_of_the_version_open_here_reads_it_to_its_end_whatever_stat_saw(nodes: Nodes) -> None:
     """The kernel keeps one size per file and stops page-cache reads at it: a stat of a shorter
     new version must not cut the readers of the longer one still open here (a model server

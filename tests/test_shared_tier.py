@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mounting import MARINFS, fsspec_client, subprocess_mount, tmpfs
+from mounting import MARINFS, fsspec_client, subprocess_mount, tmpfs, weed_mount
 from servers import S3Server
 
 pytestmark = [pytest.mark.mount, pytest.mark.objectstore]
@@ -251,3 +251,82 @@ def test_a_shared_directory_others_can_write_is_refused(s3_server: S3Server, tmp
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "writable by group or others" in result.stderr
     assert not os.path.ismount(mnt)
+
+
+# -- the tier on a filesystem two nodes mount: two `weed mount` views of one filer directory ------
+CHUNK = 8 * MiB  # the daemon's default chunk size
+
+
+def settled(view: Path, files: int, timeout: float = 30) -> list[Path]:
+    """The tier's chunk files as ``view`` shows them, once it shows ``files`` of them and no
+    lease or temporary file (every publish landed and let its lease go)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        chunks = sorted((view / "chunks").glob("*/*"))
+        if len(chunks) == files and not any((view / "leases").iterdir()) and not any((view / "tmp").iterdir()):
+            return chunks
+        assert time.monotonic() < deadline, f"{view}: {len(chunks)} chunk files, not {files}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def weed_views(s3_server: S3Server, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """One directory of SeaweedFS's filer through two `weed mount`s, as NFS on two nodes: the
+    tier's directory made through one and seen through the other."""
+    path = f"/tier-{uuid.uuid4().hex[:12]}"
+    with weed_mount(s3_server.filer(), path, tmp_path / "view-a", tmp_path / "weed-a") as a, \
+            weed_mount(s3_server.filer(), path, tmp_path / "view-b", tmp_path / "weed-b") as b:
+        (a / "tier").mkdir(mode=0o700)
+        deadline = time.monotonic() + 10
+        while not (b / "tier").is_dir():
+            assert time.monotonic() < deadline, "the directory made through one view never showed in the other"
+            time.sleep(0.02)
+        yield a / "tier", b / "tier"
+
+
+def test_two_nodes_share_chunks_through_two_weed_mount_views_of_one_directory(
+        s3_server: S3Server, tmp_path: Path, weed_views: tuple[Path, Path]) -> None:
+    """A file read by node A is read by node B with no byte from the bucket, each node's tier
+    being its own view of the directory; a chunk damaged through A's view is seen damaged
+    through B's, rejected by its checksum, fetched again and published sound."""
+    view_a, view_b = weed_views
+    url = f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    client, root = fsspec_client(url, {**s3_server.storage_options(), "use_listings_cache": False})
+    shared = os.urandom(3 * CHUNK)
+    damaged = os.urandom(3 * CHUNK)
+    client.pipe_file(f"{root}/shared.bin", shared)
+    client.pipe_file(f"{root}/damaged.bin", damaged)
+    port_a, port_b = free_port(), free_port()
+    with subprocess_mount(url, tmp_path / "a", tmp_path / "ca", "--shared-cache-dir", str(view_a),
+                          "--metrics-port", str(port_a), env=s3_server.env()), \
+            subprocess_mount(url, tmp_path / "b", tmp_path / "cb", "--shared-cache-dir", str(view_b),
+                             "--metrics-port", str(port_b), env=s3_server.env()):
+        assert read_hash(tmp_path / "a" / "shared.bin") == hashlib.sha256(shared).hexdigest()
+        assert chunk_bytes(port_a)["bucket"] == len(shared)
+        settled(view_b, 3)  # A's publishes, as B's view shows them
+        assert read_hash(tmp_path / "b" / "shared.bin") == hashlib.sha256(shared).hexdigest()
+        assert chunk_bytes(port_b) == {"bucket": 0, "local": 0, "shared": len(shared)}
+
+        before = set(settled(view_a, 3))
+        assert read_hash(tmp_path / "a" / "damaged.bin") == hashlib.sha256(damaged).hexdigest()
+        new = sorted(set(settled(view_a, 6)) - before)
+        assert len(new) == 3
+        victim = new[1]
+        sound = victim.read_bytes()
+        fd = os.open(victim, os.O_WRONLY)  # one byte flipped in place, through A's view
+        try:
+            os.pwrite(fd, bytes([sound[12345] ^ 0xFF]), 12345)
+        finally:
+            os.close(fd)
+        seen_by_b = view_b / victim.relative_to(view_a)
+        deadline = time.monotonic() + 10
+        while seen_by_b.read_bytes() == sound:  # B's view catches up
+            assert time.monotonic() < deadline, "the damage never showed through B's view"
+            time.sleep(0.05)
+        before_b = chunk_bytes(port_b)
+        assert read_hash(tmp_path / "b" / "damaged.bin") == hashlib.sha256(damaged).hexdigest()
+        moved = delta(before_b, chunk_bytes(port_b))
+        assert moved == {"bucket": CHUNK, "local": 0, "shared": 2 * CHUNK}, moved
+        assert shared_counter(port_b, "corrupt") == 1
+        settled(view_a, 6)
+        assert victim.read_bytes() == sound  # fetched again by B and published whole, as A's view shows

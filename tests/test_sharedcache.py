@@ -351,6 +351,25 @@ def test_check_private(tmp_path: Path) -> None:
             check_private(other)
 
 
+def test_nodes_starting_together_on_a_new_directory_both_take_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node's daemon starting at once (a DaemonSet rolled out) on a shared directory not
+    made yet: one makes it between another's look and its own mkdir. That one must take the
+    directory the other made, not fail to mount on "File exists"."""
+    fresh = tmp_path / "shared"
+    looked = Path.exists
+
+    def another_node_makes_it_after_this_look(path: Path) -> bool:
+        seen = looked(path)
+        if path == fresh and not seen:
+            fresh.mkdir(mode=0o700)
+        return seen
+
+    monkeypatch.setattr(Path, "exists", another_node_makes_it_after_this_look)
+    check_private(fresh)
+    assert fresh.is_dir()
+
+
 def test_gc_removes_crash_leftovers_and_evicts_to_the_limit(shared: Path) -> None:
     bucket = Bucket()
     tier = node(shared)

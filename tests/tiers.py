@@ -24,7 +24,7 @@ HEAVY = frozenset({"mount", "objectstore"})
 
 # A parameter with one of these values selects an object store: conftest's object_store()
 # starts the server through request.getfixturevalue, which the fixture closure cannot show.
-SERVER_PARAMS = frozenset({"s3", "gcs"})
+SERVER_PARAMS = frozenset({"s3", "gcs", "s3+shared"})
 
 # Executables a fast test may not start: they mount, or they are the object-store servers.
 FORBIDDEN_PROGRAMS = frozenset({"mount", "fusermount", "fusermount3", "mount.marinfs", "mount.fuse.marinfs",

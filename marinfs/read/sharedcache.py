@@ -84,7 +84,9 @@ def check_private(root: Path, create: bool = True) -> None:
     user that nobody else can write: whoever writes it feeds every node's reads."""
     try:
         if create and not root.exists():
-            root.mkdir(mode=0o700, parents=True)
+            # Another node starting at the same moment may make it first: then it is theirs
+            # to check below like any existing directory, not a failure to mount.
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(root)
     except OSError as exc:
         raise SharedDirError(f"shared cache directory {root}: {exc.strerror or exc}") from None
