@@ -144,6 +144,31 @@ def test_a_delete_never_overtakes_an_upload_closed_before_it(wb: tuple[Filesyste
     assert order.index(("delete", "step1/a")) > max(order.index(("put", f"step2/p{i}")) for i in range(5))
 
 
+def test_an_unlink_of_a_file_whose_upload_is_under_way_returns_at_once(wb: tuple[Filesystem, Gate],
+                                                                      remote: Remote) -> None:
+    """Orbax deletes the previous step while its big file may still be uploading: the unlink
+    does not wait for that upload (it held the file's lock for all of it); the delete lands after it."""
+    fs, gate = wb
+    write(fs, "/old", b"x" * 100_000)
+    hurry = threading.Thread(target=fs.sync, args=("/",), daemon=True)
+    hurry.start()  # (its upload starts now, and waits at the gate holding the file)
+    deadline = time.monotonic() + 10
+    while not any(t.name.startswith("marinfs-wb") and t.is_alive() for t in threading.enumerate()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    started = time.monotonic()
+    fs.unlink("/old")
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/old")
+    gate.open.set()
+    hurry.join(10)
+    fs.sync("/")
+    assert stored(remote, "old") is None
+    assert ("put", "old") in gate.events and gate.events.index(("delete", "old")) > gate.events.index(("put", "old"))
+
+
 def test_a_name_deleted_here_and_made_again_lands_after_its_delete(wb: tuple[Filesystem, Gate],
                                                                   remote: Remote) -> None:
     """rm then a new file of the same name (or rm -r then mkdir): the delete queued first lands

@@ -338,7 +338,7 @@ class Namespace:
                 self.metadata.invalidate(key)
                 entries_changed(self.remote, self.metadata, key)
             return
-        staged = self.writes.unlinked(key)
+        staged = self.writes.unlinked(key, wait=not deferred)  # (queued: not behind its upload under way)
         kept = self.writes.drop_kept(key)
         if deferred:  # write-back: sent behind the uploads closed before it
             # The version deleted (a retry sends it only while the object is still that one):

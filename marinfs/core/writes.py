@@ -34,7 +34,7 @@ from marinfs.core.kernel import KernelView
 from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno, interrupted
 from marinfs.meta.metadata import MetadataCache, compile_glob
-from marinfs.threadnames import each_at_once
+from marinfs.threadnames import each_at_once, start_thread
 from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
 from marinfs.write.deletes import DeferredDeletes, recover_in_order
 from marinfs.write.recovery import Recovered, recover
@@ -559,17 +559,29 @@ class Writes:
         return bool(gone)
 
     # -- names that change here ---------------------------------------------------------------------
-    def unlinked(self, key: str) -> StagedFile | None:
+    def unlinked(self, key: str, wait: bool = True) -> StagedFile | None:
         """``key`` is being unlinked: its open staged file keeps its bytes for its descriptors
-        and is never committed. Answers it (None: none open)."""
+        and is never committed. Answers it (None: none open). Not ``wait`` (a delete queued
+        behind the uploads): a file whose upload is under way leaves the table now and is
+        marked once that upload ends (it was whole to be sent; the queued delete comes after)."""
         open_staged = self.staged.get(key)
-        if open_staged is not None:
-            open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
-        with self.lock:
-            staged = self.staged.pop(key, None)
-        if staged is not None:  # (its lock waits for a commit in flight: never under ours)
-            staged.mark_unlinked()  # open handles keep working; nothing is committed
-        return staged
+        if open_staged is not None and not wait and not open_staged.lock.acquire(blocking=False):
+            with self.lock:
+                if self.staged.get(key) is open_staged:
+                    del self.staged[key]
+            start_thread(open_staged.mark_unlinked, "marinfs-unlinked")
+            return open_staged
+        try:
+            if open_staged is not None:
+                open_staged.keep_old_bytes()  # still open: its descriptors keep the bytes
+            with self.lock:
+                staged = self.staged.pop(key, None)
+            if staged is not None:  # (its lock waits for a commit in flight: never under ours)
+                staged.mark_unlinked()  # open handles keep working; nothing is committed
+            return staged
+        finally:
+            if open_staged is not None and not wait:
+                open_staged.lock.release()
 
     def staged_under(self, tree: str) -> list[tuple[str, StagedFile]]:
         """The staged files inside directory ``tree``, in key order."""
