@@ -17,6 +17,7 @@ from dataclasses import replace
 from cachetools import LRUCache
 
 from marinfs.core.defaults import Defaults
+from marinfs.core.deferred import Deferred
 from marinfs.core.handles import HandleTable
 from marinfs.core.kernel import KernelView, shown_time, with_size_and_time
 from marinfs.core.paths import NAME_MAX, PATH_MAX, ROOT, entries_changed, key_of
@@ -33,8 +34,9 @@ class Namespace:
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache,
                  listings: ListingPrefetcher | None, handles: HandleTable, kernel: KernelView, writes: Writes,
-                 defaults: Defaults) -> None:
+                 defaults: Defaults, deferred: Deferred) -> None:
         self.lock = lock
+        self.deferred = deferred  # attributes held back: shown by every lookup and listing
         self.remote = remote
         self.metadata = metadata
         self.listings = listings
@@ -72,7 +74,7 @@ class Namespace:
             info = self.known(key) or self.ask_stat(key)[0]
         if info is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
-        return info
+        return self.deferred.shown(info)
 
     def ask_stat(self, key: str) -> tuple[ObjectInfo | None, bool]:
         """The remote's stat of ``key`` (None: there is no such key) and whether it was cached:
@@ -94,7 +96,8 @@ class Namespace:
             # Bytes the remote lacks yet: our writes are what this node shows. A clean staged
             # file (committed, or open but unwritten) matches the remote, whose stat has a version.
             return staged_info(staged)
-        return self.writes.kept_info(key) or self.metadata.get_stat(key)
+        info = self.writes.kept_info(key) or self.metadata.get_stat(key)
+        return self.deferred.shown(info) if info is not None else None
 
     def lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -174,7 +177,8 @@ class Namespace:
         for kept in self.writes.kept_in(key):  # and those whose commit failed (kept, retried)
             if posixpath.basename(kept.name) not in names:
                 children.append(kept)
-        return [self.kernel.present(c) for c in children]
+        shown = self.deferred.shown
+        return [self.kernel.present(shown(c)) for c in children]
 
     def list_now(self, key: str) -> list[ObjectInfo]:
         """One listing of ``key`` from the remote, cached under a listing token (a change made
