@@ -6,8 +6,6 @@ and sent when their window ends or before the file's next change here."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -433,7 +431,6 @@ def test_rsync_a_of_100_files_into_s3_costs_3_requests_a_file(s3_server: Any, tm
     mode, a delete, and no lookup; what else the mount sends is per directory (its marker, its
     lookup) or in the background (its record, once per 0.2 s window). Then a fresh mount (a
     new cache: another node) shows every mode and mtime."""
-    from conftest import object_store  # noqa: F401 - (s3_server is the fixture it would start)
     from mounting import inprocess_mount
 
     n = 100

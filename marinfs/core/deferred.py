@@ -45,6 +45,7 @@ from pathlib import Path
 
 from marinfs.objects import ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
+from marinfs.threadnames import start_thread
 from marinfs.write import attrjournal
 from marinfs.write.commit import describe
 
@@ -262,8 +263,6 @@ class Deferred:
 
     def _start_locked(self) -> None:
         if self._thread is None and not self._closed:
-            from marinfs.threadnames import start_thread
-
             self._pool = ThreadPoolExecutor(SENDERS, thread_name_prefix="marinfs-attrs")
             self._thread = start_thread(self._run, "marinfs-attrs")
 
