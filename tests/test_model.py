@@ -570,6 +570,7 @@ class CoreTarget:
         recover(self.cache_dir / "staging", self.remote)
         self.fs = Filesystem(self.remote, staging_dir=self.cache_dir / "staging",
                              fetcher=ChunkFetcher(self.remote.read_range, self.cache, chunk_size=CHUNK))
+        self.fs.send_kept_attributes()  # (after the commits, as the daemon does)
         self.generation += 1
         self.mounts += 1
 
@@ -587,6 +588,7 @@ class CoreTarget:
     def kill(self) -> None:
         """What dies with the process: threads and the cache lock. The staged files, their
         journals and the chunks on disk stay; the dead Filesystem is never called again."""
+        self.fs.deferred.stop()  # (its thread sending attributes held back dies too)
         self.dead.append(self.fs)
         self._stop()
         self.crashes += 1

@@ -173,6 +173,7 @@ def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI s
                     file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, uid=cfg.uid, gid=cfg.gid)
     fs.finish_renames()  # directory renames an earlier run left midway
     fs.recover_staged(at_start=True)  # what an earlier run staged but never committed
+    fs.send_kept_attributes()  # attributes an earlier run held back and never sent (after the commits)
     return fs
 
 

@@ -7,12 +7,15 @@ seen. This room owns no table: it works through the namespace, the writes and th
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import posixpath
 from collections.abc import Callable
 from dataclasses import replace
 
 from marinfs.core.defaults import Defaults
+from marinfs.core.deferred import Deferred, Pending
 from marinfs.core.handles import HandleTable
 from marinfs.core.kernel import KernelView
 from marinfs.core.namespace import Namespace
@@ -24,6 +27,7 @@ from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.remote import Remote
 from marinfs.write.staging import StagedFile
 
+log = logging.getLogger(__name__)
 # Read-only attributes that tell a tool outside Python where a file lives and which version a
 # read pins; the whole user.marinfs.* namespace is ours (EPERM to set). Other user.* attributes
 # are stored with the file (PosixAttrs.xattrs).
@@ -40,7 +44,10 @@ class Attributes:
     """What is stored of a file's or directory's attributes, and changes to it."""
 
     def __init__(self, remote: Remote, metadata: MetadataCache, handles: HandleTable, kernel: KernelView,
-                 writes: Writes, namespace: Namespace, defaults: Defaults, read_only: bool) -> None:
+                 writes: Writes, namespace: Namespace, defaults: Defaults, read_only: bool,
+                 deferred: Deferred) -> None:
+        self.deferred = deferred
+        deferred.send = self.send_deferred
         self.remote = remote
         self.metadata = metadata
         self.handles = handles
@@ -133,23 +140,28 @@ class Attributes:
         to the object as it is now (one stat, one more update), as chmod on a disk applies to
         the file as it is: only a second change in between is ESTALE. Directories: the remote's
         directory attributes. Symbolic links: nothing is stored (lchown, lutimes succeed).
-        Nothing changed (chmod to the mode shown): no request."""
+        Nothing changed (chmod to the mode shown): no request.
+
+        A file this node committed just now (rsync's temporary file, between its close and its
+        rename): the change is held back a moment (core/deferred.py), shown here at once, and
+        carried by the rename's copy, or else sent as one update when its window ends."""
         if self.read_only:
             raise FsError(errno.EROFS)
         key = self._key_for(path, fh)
-        handle = self.handles.get(fh) if fh is not None else None
-        staged = handle.staged if handle is not None and handle.staged is not None else self.writes.staged.get(key)
-        if staged is not None:
-            # Held throughout: waits for a commit in flight (which may leave it clean), and no
-            # commit of its writer comes between the update below and the writer's new base.
-            with staged.lock:
-                if staged.unlinked or staged.dirty:
-                    current = staged.attrs or NO_ATTRS
-                    staged.set_attrs(self.defaults.normalized(change(current), False, current))
-                else:
-                    self._change_stored(key, change, staged)
-            return
-        self._change_stored(key, change, None)
+        with self.deferred.held(key):  # (before a staged file's lock, as every holder takes them)
+            handle = self.handles.get(fh) if fh is not None else None
+            staged = handle.staged if handle is not None and handle.staged is not None else self.writes.staged.get(key)
+            if staged is not None:
+                # Held throughout: waits for a commit in flight (which may leave it clean), and no
+                # commit of its writer comes between the update below and the writer's new base.
+                with staged.lock:
+                    if staged.unlinked or staged.dirty:
+                        current = staged.attrs or NO_ATTRS
+                        staged.set_attrs(self.defaults.normalized(change(current), False, current))
+                    else:
+                        self._change_stored(key, change, staged)
+                return
+            self._change_stored(key, change, None)
 
     def _change_stored(self, key: str, change: Callable[[PosixAttrs], PosixAttrs],
                        staged: StagedFile | None) -> None:
@@ -172,6 +184,11 @@ class Attributes:
                 # The store's metadata update gives the object a new timestamp: keep the one
                 # shown, as chmod on a disk leaves the mtime alone.
                 new = replace(new, mtime_ns=self.kernel.present(info).mtime_ns)
+            if self.deferred.wants(key, info):
+                self.deferred.defer(key, info, new)
+                if staged is not None and not staged.unlinked and staged.base_version == info.version:
+                    staged.rebase(info.version, attrs=new)  # (clean: a commit of its next writes carries them)
+                return
             # Taken before the update is sent: an own change of the key meanwhile (a commit
             # of a writer that opened since) makes this update's answer too old to cache.
             token = self.metadata.begin_stat(key)
@@ -209,6 +226,34 @@ class Attributes:
                 if staged.dirty or staged.base_version != info.version:
                     return  # the writer started from other bytes: its commit decides (a conflict)
                 staged.rebase(version if version is not None else self._version_now(key), attrs=attrs)
+
+    def send_deferred(self, entry: Pending) -> None:
+        """The metadata-only update of attributes held back (core/deferred.py), the caller
+        holding the key: conditional on the version they were set on. Another writer's object
+        there meanwhile, or none, keeps what it has (the attributes belonged to bytes nobody has
+        any more), as its commit would have replaced them; a file this node is writing again
+        carries them with its commit. Raises what may pass (the store down): sent again later."""
+        key = entry.key
+        staged = self.writes.staged.get(key)
+        with staged.lock if staged is not None else contextlib.nullcontext():
+            if staged is not None and (staged.dirty or staged.unlinked):
+                return  # its commit carries them (its attributes since they were set), or it is gone
+            token = self.metadata.begin_stat(key)
+            try:
+                version = self.remote.set_attrs(key, entry.attrs, entry.version)
+            except (PreconditionFailed, FileNotFoundError, IsADirectoryError):
+                self.metadata.end_stat(key, token, None)
+                self.metadata.forget(key, changed=True)  # (it showed them: the next lookup asks)
+                log.info("attributes set on %s were not sent: the object changed or went since", key)
+                return
+            except BaseException:
+                self.metadata.end_stat(key, token, None)
+                raise
+            if entry.info is None:  # (found in a journal at start: nothing of it is cached)
+                self.metadata.end_stat(key, token, None)
+                self.metadata.forget(key, changed=True)
+                return
+            self._attrs_set(key, entry.info, entry.attrs, version, staged, token)
 
     def _version_now(self, key: str) -> ObjectVersion | None:
         try:

@@ -31,6 +31,7 @@ from typing import Any
 from marinfs.write.commit import FailedCommit
 from marinfs.core.attributes import XATTR_SYNC, Attributes
 from marinfs.core.defaults import Defaults
+from marinfs.core.deferred import Deferred
 
 from marinfs.core.handles import Backings, Handle, HandleTable, Opened
 from marinfs.core.kernel import KernelView
@@ -45,6 +46,7 @@ from marinfs.meta.listings import ListingPrefetcher
 from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import ObjectInfo, PosixAttrs
 from marinfs.read.reader import ChunkFetcher
+from marinfs.write import attrjournal
 from marinfs.write.recovery import Recovered
 from marinfs.remote import Remote
 from marinfs.threadnames import start_thread
@@ -87,14 +89,17 @@ class Filesystem:
                              write_back_max_bytes=write_back_max_bytes, write_back_paths=write_back_paths,
                              commit_markers=commit_markers)
         self.kernel.staged = self.writes.staged
+        # Attributes set on a file just committed here wait a moment for its rename (core/deferred.py).
+        self.deferred = Deferred(remote, staging_dir)
+        self.writes.on_commit = self.deferred.committed
         self.namespace = Namespace(self._lock, remote, self.metadata, self.listings, self.handles, self.kernel,
-                                   self.writes, self.defaults)
+                                   self.writes, self.defaults, self.deferred)
         self.attributes = Attributes(remote, self.metadata, self.handles, self.kernel, self.writes, self.namespace,
-                                     self.defaults, read_only)
+                                     self.defaults, read_only, self.deferred)
         self.reads = Reads(self._lock, self.handles, self.kernel, self.writes, self.fetcher, self.metadata,
                            self.namespace, remote.url, max_readahead_chunks)
         self.renamer = Renamer(self._lock, remote, self.metadata, self.handles, self.kernel, self.writes,
-                               self.namespace, self.reads.ref)
+                               self.namespace, self.reads.ref, self.deferred)
         # A walker's next small files fetched ahead of it (walkahead.py): on object stores, as
         # the listings ahead, and only where listings are kept (it walks by them).
         # Files of 1 MiB at most: a tool that opens each file of a directory to read its header
@@ -141,10 +146,19 @@ class Filesystem:
     def recover_staged(self, at_start: bool = False) -> list[Recovered]:
         return self.writes.recover_staged(at_start=at_start)
 
+    def send_kept_attributes(self) -> None:
+        """Attributes an earlier daemon held back and never sent (write/attrjournal.py): sent now,
+        after the staged commits were replayed (a commit of new bytes replaced the version they
+        were set on: they are then dropped, as that commit carried the file's attributes). What
+        the store does not take now is sent by this daemon later."""
+        for kept in attrjournal.replay(self.staging_dir, self.remote):
+            self.deferred.adopt(kept)
+
     def close(self) -> None:
         """Once unmounted: stop the fetch workers (every fetched chunk reaches the disk first),
         release the chunk cache's lock, so the next daemon on this cache may take it, and the
         remote's threads and connections."""
+        self.deferred.stop()  # (what is held back still: journaled, sent by the next start)
         self.fetcher.close()
         if self.fetcher.cache is not None:
             self.fetcher.cache.close()
@@ -223,6 +237,10 @@ class Filesystem:
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         if writable or flags & os.O_TRUNC:
             self._writable()
+        if writable or flags & os.O_TRUNC:
+            # A writer is the next change: attributes held back for the file go first (else
+            # their update would give the object a version the writer did not start from).
+            self.deferred.send_now(key)
         if writable and key not in self.writes.staged:
             # The version a writer starts from decides whether its commit may replace the
             # object: take it from the remote, not from a cache that may be seconds old.
@@ -323,6 +341,7 @@ class Filesystem:
             return
         key = key_of(path)
         self.writes.settle(key)  # (committed at once: after a delete of it queued before)
+        self.deferred.send_now(key)  # (the next change of the file: see open)
         info = self.lookup(key)
         if info.is_dir:
             raise FsError(errno.EISDIR, key)
@@ -347,7 +366,14 @@ class Filesystem:
     # closed before it (write/deletes.py), a rename waits for it (unless it re-targets uploads).
     def unlink(self, path: str) -> None:
         self._writable()
-        self.namespace.unlink(path)
+        key = key_of(path)
+        with self.deferred.held(key):  # (no update of attributes held back races the delete)
+            try:
+                self.namespace.unlink(path)
+            except FileNotFoundError:
+                self.deferred.discard(key)
+                raise
+            self.deferred.discard(key)  # they went with the object
 
     def mkdir(self, path: str, mode: int | None = None) -> None:
         self._writable()
@@ -375,6 +401,8 @@ class Filesystem:
         if self.writes.write_back is not None:
             left = max(0.0, self.drain_timeout - (time.monotonic() - started))
             self.drained = self.writes.write_back.close(left) and self.drained
+        # Attributes held back: sent now (what the store does not take stays journaled).
+        self.deferred.close(max(0.0, self.drain_timeout - (time.monotonic() - started)))
         if not self.drained:
             left_keys = self.writes.pending()
             log.error("unmount: pending commits did not finish within %.0f s; %d file(s) stay staged "

@@ -17,6 +17,7 @@ from dataclasses import replace
 from cachetools import LRUCache
 
 from marinfs.core.defaults import Defaults
+from marinfs.core.deferred import Deferred
 from marinfs.core.handles import HandleTable
 from marinfs.core.kernel import KernelView, shown_time, with_size_and_time
 from marinfs.core.paths import NAME_MAX, PATH_MAX, ROOT, entries_changed, key_of
@@ -53,8 +54,9 @@ class Namespace:
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache,
                  listings: ListingPrefetcher | None, handles: HandleTable, kernel: KernelView, writes: Writes,
-                 defaults: Defaults) -> None:
+                 defaults: Defaults, deferred: Deferred) -> None:
         self.lock = lock
+        self.deferred = deferred  # attributes held back: shown by every lookup and listing
         self.remote = remote
         self.metadata = metadata
         self.listings = listings
@@ -93,7 +95,7 @@ class Namespace:
             info = self.known(key) or self.ask_stat(key)[0]
         if info is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
-        return info
+        return self.deferred.shown(info)
 
     def ask_stat(self, key: str) -> tuple[ObjectInfo | None, bool]:
         """The remote's stat of ``key`` (None: there is no such key) and whether it was cached:
@@ -143,7 +145,11 @@ class Namespace:
             return staged_info(staged)
         if self.writes.is_gone(key):  # (deleted here; the bucket has it until its delete's turn)
             return None
-        return self.writes.local_dir(key) or self.writes.kept_info(key) or self.metadata.get_stat(key)
+        local = self.writes.local_dir(key)
+        if local is not None:
+            return local
+        info = self.writes.kept_info(key) or self.metadata.get_stat(key)
+        return self.deferred.shown(info) if info is not None else None
 
     def lookup_or_none(self, key: str) -> ObjectInfo | None:
         try:
@@ -231,7 +237,8 @@ class Namespace:
         for local in self.writes.local_dirs_in(key):  # and directories with no marker yet
             if posixpath.basename(local.name) not in names:
                 children.append(local)
-        return [self.kernel.present(c) for c in children]
+        shown = self.deferred.shown
+        return [self.kernel.present(shown(c)) for c in children]
 
     def list_now(self, key: str) -> list[ObjectInfo]:
         """One listing of ``key`` from the remote, cached under a listing token (a change made

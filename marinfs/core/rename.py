@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from marinfs.core.deferred import Deferred
 from marinfs.core.handles import Handle, HandleTable
 from marinfs.core.kernel import KernelView
 from marinfs.core.namespace import Namespace
 from marinfs.core.paths import entries_changed, key_of, under
 from marinfs.core.writes import Writes, staged_info
-from marinfs.errors import FsError
+from marinfs.errors import FsError, PreconditionFailed
 from marinfs.meta.metadata import MetadataCache
 from marinfs.objects import Copied, ObjectInfo, ObjectRef, ObjectVersion
 from marinfs.read.reader import ObjectReader
@@ -39,8 +40,9 @@ class Renamer:
 
     def __init__(self, lock: threading.Lock, remote: Remote, metadata: MetadataCache, handles: HandleTable,
                  kernel: KernelView, writes: Writes, namespace: Namespace,
-                 ref: Callable[[str, ObjectInfo], ObjectRef]) -> None:
+                 ref: Callable[[str, ObjectInfo], ObjectRef], deferred: Deferred) -> None:
         self.lock = lock
+        self.deferred = deferred  # attributes held back: a file's rename carries them
         self.remote = remote
         self.metadata = metadata
         self.handles = handles
@@ -74,6 +76,13 @@ class Renamer:
         self.remote.check_key(dst)
         if not src or dst.startswith(src + "/"):
             raise FsError(errno.EINVAL, f"cannot move {src!r} into itself")
+        # Attributes held back inside a directory are sent before it moves (its copies keep
+        # what the objects have); a file's own are carried by its copy (_rename_file_held).
+        self.deferred.send_under(src)
+        with self.deferred.held(src, dst):
+            self._rename(src, dst, new)
+
+    def _rename(self, src: str, dst: str, new: str) -> None:
         info = self.namespace.lookup(src)
         if self.writes.kept(src) is not None:
             raise FsError(errno.EIO, f"{src}: its commit failed; its bytes are kept and retried (marinfs status)")
@@ -96,6 +105,7 @@ class Renamer:
             if not info.is_dir and self.writes.kept(src) is not None:  # (its upload failed meanwhile)
                 raise FsError(errno.EIO, f"{src}: its upload failed; its bytes are kept and retried (marinfs status)")
             copies = self._rename_remote(src, dst, info, target, new)  # (a failed rename moves no reader)
+        self.deferred.discard(dst)  # (a file replaced: what was held back for it went with it)
         self._follow(self._moves(copies))
         if in_place:
             self._follow_in_place(src, dst, in_place)
@@ -249,7 +259,18 @@ class Renamer:
         replaced = self.writes.staged.get(dst)
         if replaced is not None:
             replaced.keep_old_bytes()  # still open: its descriptors keep the bytes
-        copies = self.remote.rename(src, dst)
+        pending = self.deferred.get(src)
+        if pending is None:
+            copies = self.remote.rename(src, dst)
+        else:
+            # Attributes held back since its commit (rsync's times and mode of its temporary
+            # file): the copy carries them, one request for all. A source that is no longer the
+            # version they were set on is renamed as it is, and they go with those bytes.
+            try:
+                copies = self.remote.rename(src, dst, attrs=pending.attrs, expect=pending.version)
+            except PreconditionFailed:
+                copies = self.remote.rename(src, dst)
+            self.deferred.discard(src)
         self.writes.move(src, dst)
         return copies
 

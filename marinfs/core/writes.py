@@ -35,7 +35,7 @@ from marinfs.core.paths import entries_changed, under
 from marinfs.errors import FsError, final_errno, interrupted
 from marinfs.meta.metadata import MetadataCache, compile_glob
 from marinfs.threadnames import each_at_once, start_thread
-from marinfs.objects import NO_ATTRS, ObjectInfo, PosixAttrs
+from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.write.deletes import DeferredDeletes, recover_in_order
 from marinfs.write.recovery import Recovered, recover
 from marinfs.remote import Remote
@@ -93,6 +93,10 @@ class Writes:
         self._markers = [compile_glob(g) for g in commit_markers]
         self._holds = [compile_glob(g) for g in write_back_hold]
         self.write_back_max_bytes = write_back_max_bytes  # closed, not uploaded; 0: no bound
+        # Told of every commit here (core/deferred.py: attributes of the version it replaced
+        # are moot; changes of the new one may be held back): key, its new version (None: the
+        # bytes went to a conflict name). Called with the staged file's lock held: never waits.
+        self.on_commit: Callable[[str, ObjectVersion | None], None] = lambda key, version: None
         # --write-back-path: only the files matching are written back (given alone, it turns
         # write-back on for them; with --write-back too, it still narrows it); none: every file.
         self.write_back_paths = tuple(write_back_paths)
@@ -466,6 +470,7 @@ class Writes:
             self.metadata.invalidate(done.committed_as)
             with self.lock:
                 self.conflicts.append({"key": key, "committed_as": done.committed_as})
+            self.on_commit(key, None)
             raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened")
         version = done.version
         if version is not None:
@@ -496,6 +501,7 @@ class Writes:
             self.kernel.wrote(key, info.version, staged.mtime_ns)
         self.metadata.put_own(info, token)
         entries_changed(self.remote, self.metadata, key)
+        self.on_commit(key, version or info.version)
 
     def _upload_session(self, local_path: str, record: dict[str, Any], opened: bool) -> None:
         """An upload of staging file ``local_path`` opened (or ended) a session the store keeps

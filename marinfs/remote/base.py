@@ -134,6 +134,11 @@ class Remote:
     # and values together, as ext4 keeps in its attribute block; a store that encodes them into
     # its object metadata keeps what that holds (S3 2 KiB, GCS 8 KiB).
     attrs_limit: ClassVar[int] = 65536
+    # A copy can carry new POSIX attributes in the request that copies (``copy(..., attrs=)``:
+    # S3 CopyObject with MetadataDirective=REPLACE, GCS rewrite with the destination's metadata,
+    # memory:// under the key's lock), so attributes set on a file just before its rename cost no
+    # request of their own (core/deferred.py). Not on local disks: a rename(2) moves the file.
+    folds_attrs: ClassVar[bool] = False
 
     def __init_subclass__(cls, fallback: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -595,18 +600,31 @@ class Remote:
             os.unlink(tmp)
 
     # -- namespace -----------------------------------------------------------------------------
-    def copy(self, src: str, dst: str) -> Copied | None:
-        """A server-side copy; what it copied, where the store says (None: it does not)."""
+    def copy(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+             expect: ObjectVersion | None = None) -> Copied | None:
+        """A server-side copy; what it copied, where the store says (None: it does not).
+
+        ``attrs`` (where ``folds_attrs``): the copy carries them as its POSIX metadata (the
+        complete new value; the object's other metadata as the source's), and is made only of
+        the source's version ``expect``: else PreconditionFailed, and nothing was copied."""
+        self._no_fold(attrs)
         self._call("copy", self.fs.cp_file, self.full(src), self.full(dst))
         return None
+
+    def _no_fold(self, attrs: PosixAttrs | None) -> None:
+        if attrs is not None:
+            raise FsError(errno.ENOTSUP, f"{self.protocol}:// cannot give a copy new attributes")
 
     def delete(self, key: str) -> None:
         self._call("delete", self.fs.rm_file, self.full(key))
 
-    def rename(self, src: str, dst: str) -> list[Copied]:
+    def rename(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+               expect: ObjectVersion | None = None) -> list[Copied]:
         """Rename one file: a copy then a delete (local disks rename atomically). Answers the
-        copy made, if the store said what it copied (the filesystem moves its readers)."""
-        copied = self.copy(src, dst)
+        copy made, if the store said what it copied (the filesystem moves its readers).
+        ``attrs``/``expect``: the copy carries new attributes (see copy); PreconditionFailed
+        (the source is not ``expect``) leaves both names as they were."""
+        copied = self.copy(src, dst) if attrs is None else self.copy(src, dst, attrs, expect)
         self.delete(src)
         return [copied] if copied is not None else []
 

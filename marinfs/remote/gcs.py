@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 GCS_CHUNK_ALIGN = 256 << 10  # resumable chunks must be multiples of 256 KiB
 SYMLINK_METADATA = "gcsfuse_symlink_target"  # gcsfuse's key for a link's target
 META_REUSE_SECONDS = 5.0  # object metadata seen this recently spares set_attrs a GET
+# What a rewrite that gives the destination new metadata sends again from the source's resource,
+# so the copy keeps them (a rewrite's body describes the destination object).
+_KEPT_FIELDS = ("contentType", "contentEncoding", "contentLanguage", "contentDisposition", "cacheControl",
+                "storageClass")
 
 
 class GCSRemote(Recorded, ObjectStoreRemote):
@@ -60,8 +64,9 @@ class GCSRemote(Recorded, ObjectStoreRemote):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(url, storage_options, settings)
-        # full path -> (generation, metageneration, custom metadata, when seen), for set_attrs
-        self._seen: dict[str, tuple[str, str, dict[str, str], float]] = {}
+        # full path -> (generation, metageneration, custom metadata, when seen, the resource's
+        # _KEPT_FIELDS), for set_attrs and a copy that carries new attributes
+        self._seen: dict[str, tuple[str, str, dict[str, str], float, dict[str, str]]] = {}
         self._seen_lock = threading.Lock()
         self._direct = self._direct_http()
         self._direct_refused = False  # set once the server refused our GET but not gcsfs's
@@ -127,7 +132,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
             if len(self._seen) >= 4096:
                 self._seen.clear()
             self._seen[raw["name"]] = (str(generation), str(raw.get("metageneration") or ""),
-                                       dict(raw.get("metadata") or {}), time.monotonic())
+                                       dict(raw.get("metadata") or {}), time.monotonic(), _kept_fields(raw))
 
     def _info_of(self, raw: dict[str, Any], key: str | None = None) -> ObjectInfo:
         info = super()._info_of(raw, key)
@@ -168,34 +173,65 @@ class GCSRemote(Recorded, ObjectStoreRemote):
     def _head_object(self, full: str) -> dict[str, Any]:
         return fsspec.asyn.sync(self.fs.loop, self.fs._get_object, full)
 
-    def copy(self, src: str, dst: str) -> Copied | None:
+    folds_attrs = True  # a rewrite whose body gives the destination's metadata
+
+    def copy(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+             expect: ObjectVersion | None = None) -> Copied | None:
         """A rewrite of the source's current generation (``ifSourceGenerationMatch``, as S3's
         copy is pinned to its ETag; it keeps the metadata), answering that generation and the
-        copy's: readers of that source generation follow a rename to it."""
+        copy's: readers of that source generation follow a rename to it.
+
+        ``attrs``: the rewrite's body gives the copy its custom metadata (the source's other
+        keys kept, ours rewritten as a PATCH would leave them) and the source's content type and
+        encoding, pinned to generation ``expect`` (else PreconditionFailed, nothing copied). The
+        source's metadata is the one our upload or a stat saw under 5 s ago, else one GET."""
         source, target = self.full(src), self.full(dst)
-        # The object's own metadata, not stat(): a directory record (dirmeta.py) is copied by a
-        # directory rename too, and stat() does not show it.
-        generation = str(self._call("head", self._head_object, source).get("generation") or "")
+        body: dict[str, Any] | None = None
+        if attrs is not None:
+            seen = self._recent(source, expect)
+            if seen is not None:
+                generation, metadata, kept = seen[0], seen[2], seen[4]
+            else:
+                raw = self._call("head", self._head_object, source)
+                generation = str(raw.get("generation") or "")
+                metadata, kept = dict(raw.get("metadata") or {}), _kept_fields(raw)
+            if expect is None or not generation or ObjectVersion("generation", generation) != expect:
+                raise PreconditionFailed(f"{self.url}/{src} changed since its attributes were set")
+            replacing = posixmeta.gcs_replace(metadata, attrs)
+            if replacing or not metadata:
+                body = {**kept, "metadata": replacing}
+        else:
+            # The object's own metadata, not stat(): a directory record (dirmeta.py) is copied by
+            # a directory rename too, and stat() does not show it.
+            generation = str(self._call("head", self._head_object, source).get("generation") or "")
         old = ObjectVersion("generation", generation) if generation else None
         b1, k1, _ = self.fs.split_path(source)
         b2, k2, _ = self.fs.split_path(target)
         match = {"ifSourceGenerationMatch": generation} if generation else {}
+        extra: dict[str, Any] = {"json": body} if body is not None else {"headers": {"Content-Type": "application/json"}}
 
         async def rewrite() -> dict[str, Any]:
             token: dict[str, str] = {}
             while True:
-                out = await self.fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", b1, k1, b2, k2,
-                                          headers={"Content-Type": "application/json"}, json_out=True,
-                                          **match, **token)
+                out = await self.fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", b1, k1, b2, k2, json_out=True,
+                                          **extra, **match, **token)
                 if out.get("done") is True:
                     return out
                 token = {"rewriteToken": out["rewriteToken"]}
 
         out = self._call("copy", fsspec.asyn.sync, self.fs.loop, rewrite)
-        copied = (out.get("resource") or {}).get("generation")
-        if not copied:
+        resource = out.get("resource") or {}
+        copied = resource.get("generation")
+        if isinstance(resource, dict) and resource.get("name"):
+            self._remember({**resource, "name": target})
+        new = ObjectVersion("generation", str(copied)) if copied else None
+        if attrs is not None and body is None:
+            # Every key of ours removed, none of anyone else's: a rewrite given no metadata
+            # keeps the source's, so the copy's keys go in a PATCH of it (rare: one request more).
+            new = self.set_attrs(dst, attrs, new) or new
+        if new is None:
             return None
-        return Copied(src, dst, old if match else None, ObjectVersion("generation", str(copied)))
+        return Copied(src, dst, old if match else None, new)
 
     def _prefix_exists(self, full: str) -> bool:
         bucket, key, _ = self.fs.split_path(full)
@@ -322,7 +358,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
             else:
                 fresh = False
             assert seen is not None
-            generation, metageneration, metadata, _ = seen
+            generation, metageneration, metadata = seen[:3]
             patch = posixmeta.gcs_patch(metadata, attrs)
             if not patch:
                 return ObjectVersion("generation", generation)
@@ -344,7 +380,7 @@ class GCSRemote(Recorded, ObjectStoreRemote):
             return ObjectVersion("generation", str((out or {}).get("generation") or generation))
 
     def _recent(self, full: str, expect: ObjectVersion | None,
-                fresh: bool = False) -> tuple[str, str, dict[str, str], float] | None:
+                fresh: bool = False) -> tuple[str, str, dict[str, str], float, dict[str, str]] | None:
         with self._seen_lock:
             seen = self._seen.get(full)
         if seen is None or expect is None or seen[0] != expect.value:
@@ -457,3 +493,8 @@ def _gcs_kind(method: str, path: str, params: dict[str, Any]) -> str:
             return "get"
         return "list" if path.rstrip("/").endswith("/o") else "head"
     return method.lower()
+
+
+def _kept_fields(raw: dict[str, Any]) -> dict[str, str]:
+    """The fields of an object's resource a rewrite that sets the copy's metadata repeats."""
+    return {k: raw[k] for k in _KEPT_FIELDS if raw.get(k)}

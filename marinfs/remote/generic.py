@@ -10,6 +10,7 @@ is checked and applied under a lock no other commit of that key can pass.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -119,21 +120,30 @@ class MemoryRemote(Recorded, Remote):
         self._recorded_attrs(key, info.version, attrs, metadata_only=True)
         return info.version
 
-    def copy(self, src: str, dst: str) -> Copied | None:
+    folds_attrs = True  # a copy is given its attributes under the keys' commit locks
+
+    def copy(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+             expect: ObjectVersion | None = None) -> Copied | None:
         """fsspec's copy, keeping the POSIX metadata (as S3 and GCS copies keep metadata), of
         the source's generation as it was under its commit lock: its readers follow a rename,
-        as on S3 and GCS."""
+        as on S3 and GCS. ``attrs``: the copy carries those instead, made only of generation
+        ``expect`` (else PreconditionFailed, nothing copied), as S3's REPLACE copy."""
         locks = sorted({self._lock(self.full(src)), self._lock(self.full(dst))}, key=id)  # no commit between
         with contextlib.ExitStack() as held:
             for lock in locks:
                 held.enter_context(lock)
             source = self._stored(src)
             old = self._version(source) if source is not None else None
+            if attrs is not None and (old is None or old != expect):
+                if source is None and not self.fs.isfile(self.full(src)):
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self.full(src))
+                raise PreconditionFailed(f"{self.url}/{src} changed since its attributes were set")
             super().copy(src, dst)
             stored = self._stored(dst)
-        attrs = getattr(source, _POSIX_ATTR, None)
-        if attrs is not None and stored is not None:
-            setattr(stored, _POSIX_ATTR, attrs)
+            if attrs is None:
+                attrs = getattr(source, _POSIX_ATTR, None)
+            if attrs is not None and stored is not None:
+                setattr(stored, _POSIX_ATTR, attrs)
         return Copied(src, dst, old, self._version(stored)) if stored is not None else None
 
     def read_small(self, key: str) -> tuple[bytes, ObjectVersion]:

@@ -204,9 +204,12 @@ class LocalRemote(Remote):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         apply_posix(path, attrs)
 
-    def rename(self, src: str, dst: str) -> list[Copied]:
+    def rename(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+               expect: ObjectVersion | None = None) -> list[Copied]:
         """rename(2): atomic, and it replaces an existing target. No copy: the files themselves
-        move (the filesystem's readers follow them by inode, ``renames_in_place``)."""
+        move (the filesystem's readers follow them by inode, ``renames_in_place``), with their
+        attributes: none are folded into it (``folds_attrs`` is False)."""
+        self._no_fold(attrs)
         self.stats.add("rename")
         # rename(2) moves names, never what a link leads to: neither last component is followed.
         os.replace(self.entry(src), self.entry(dst))

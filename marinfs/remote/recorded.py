@@ -147,12 +147,21 @@ class Recorded:
         super().remove_dir(key)  # type: ignore[misc]
         self.records.forget_key(key, is_dir=True)
 
-    def rename(self, src: str, dst: str) -> list[Copied]:
+    def rename(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+               expect: ObjectVersion | None = None) -> list[Copied]:
         """The backend's copy, the entry moved to the copy's version, the backend's delete. The
         copy's version, where copy() does not answer it, costs a HEAD, and only when the source
-        has (or may have: its record never read) an entry."""
+        has (or may have: its record never read) an entry. A copy that carries new ``attrs``
+        (``folds_attrs``) gives the new name an entry of those instead."""
         self._refuse_record(dst)
-        copied: Copied | None = self.copy(src, dst)  # type: ignore[attr-defined]
+        if attrs is not None:
+            copied: Copied | None = self.copy(src, dst, attrs, expect)  # type: ignore[attr-defined]
+            if self.records.may_have(src):
+                self.records.forget_key(src)
+            self._recorded_attrs(dst, copied.new if copied is not None else None, attrs, metadata_only=True)
+            super().delete(src)  # type: ignore[misc]
+            return [copied] if copied is not None else []
+        copied = self.copy(src, dst)  # type: ignore[attr-defined]
         if self.records.may_have(src):
             version = copied.new if copied is not None else None
             if version is None:

@@ -410,13 +410,23 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._recorded_attrs(key, version, attrs, metadata_only=True)  # the directory record's entry
         return version
 
-    def copy(self, src: str, dst: str) -> Copied | None:
+    folds_attrs = True  # CopyObject with MetadataDirective=REPLACE
+
+    def copy(self, src: str, dst: str, attrs: PosixAttrs | None = None,
+             expect: ObjectVersion | None = None) -> Copied | None:
         """CopyObject (its COPY directive keeps the metadata); past 5 GiB a multipart copy that
         carries the source's metadata (s3fs's would drop it). Pinned to the source's ETag: the
         one our PUT or a stat saw under 5 s ago (no HEAD: rsync renames each file it has just
         written), or a fresh HEAD's if there is none or the object changed since. Answers the
-        copy: the source's ETag it was pinned to and its own."""
+        copy: the source's ETag it was pinned to and its own.
+
+        ``attrs``: ``MetadataDirective=REPLACE`` with them (the source's other user metadata and
+        headers kept, as set_attrs sends them), pinned to ETag ``expect``: a source that is not
+        that version is PreconditionFailed, nothing copied (rsync's temporary file renamed with
+        the mode and time set on it since its PUT: one request for both)."""
         source, target = self.full(src), self.full(dst)
+        if attrs is not None:
+            return self._copy_replacing(src, dst, attrs, expect)
         with self._heads_lock:
             head: _Head | None = self._heads.get(source)
         etag = None
@@ -435,6 +445,18 @@ class S3Remote(Recorded, ObjectStoreRemote):
         self._remember(target, _Head(etag, head.size, head.metadata, head.headers))
         pinned = ObjectVersion.etag(head.etag) if head.etag else None  # (the copy was pinned to head.etag)
         return Copied(src, dst, pinned, ObjectVersion.etag(etag))
+
+    def _copy_replacing(self, src: str, dst: str, attrs: PosixAttrs, expect: ObjectVersion | None) -> Copied:
+        source, target = self.full(src), self.full(dst)
+        etag = expect.value if expect is not None and expect.kind == "etag" else None
+        head = self._recent_head(source, etag) or self._fresh_head(source)  # (FileNotFoundError: gone)
+        if etag is None or head.etag != etag:
+            raise PreconditionFailed(f"{self.url}/{src} changed since its attributes were set")
+        metadata = posixmeta.s3_replace(head.metadata, attrs)
+        new = self._copy_object(source, target, head, metadata)  # (If-Match: a 412 is PreconditionFailed)
+        if new:
+            self._remember(target, _Head(new, head.size, metadata, head.headers))
+        return Copied(src, dst, ObjectVersion.etag(head.etag), ObjectVersion.etag(new) if new else None)
 
     def _copy_object(self, source: str, target: str, head: _Head, metadata: dict[str, str] | None) -> str:
         """Copy ``source`` as it is in ``head`` (If-Match on its ETag) to ``target``; with
