@@ -996,6 +996,17 @@ SMALL_READ = "set -o pipefail; find small -type f | sort | xargs cat | md5sum"
 SMALL_TIMEOUT_S = 1800  # s3fs-fuse writes ~3 files/s at 30 ms (9 requests a file, one after another)
 
 
+def files_counts(env: Env, m: Mount, srv: dict[str, float], before: dict[str, Any], n: int,
+                 lists: int) -> dict[str, Any]:
+    """A many-files row's figures: the server's requests (less the harness's own ``lists``),
+    the mount's own, peak RSS."""
+    server = server_delta(srv, server_requests(env))
+    if lists:
+        server["LIST"] = server.get("LIST", 0) - lists
+    return {"files": n, "server": server, "remote": request_delta(before, metrics(m)),
+            "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+
+
 def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
     """The small-files tree written with ``tar -x`` through a fresh mount (until tar exits, and until
     a listing shows every file), then read cold through another fresh mount, in name order. The
@@ -1012,11 +1023,7 @@ def w_small(env: Env, d: Data, tool: str, rep: int) -> None:
         return all(got.get(f"bench/{k}") == size for k, size in d.small_sizes.items())
 
     def counts(m: Mount, srv: dict[str, float], before: dict[str, Any]) -> dict[str, Any]:
-        server = server_delta(srv, server_requests(env))
-        if lists:
-            server["LIST"] = server.get("LIST", 0) - lists
-        return {"files": n, "server": server, "remote": request_delta(before, metrics(m)),
-                "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+        return files_counts(env, m, srv, before, n, lists)
 
     try:
         with mounted(env, tool, f"smallw{rep}", rclone_mode="writes") as m:
@@ -1080,11 +1087,7 @@ def w_rsync(env: Env, d: Data, tool: str, rep: int) -> None:
     lists = 0
 
     def counts(m: Mount, srv: dict[str, float], before: dict[str, Any]) -> dict[str, Any]:
-        server = server_delta(srv, server_requests(env))
-        if lists:
-            server["LIST"] = server.get("LIST", 0) - lists
-        return {"files": n, "server": server, "remote": request_delta(before, metrics(m)),
-                "peak_rss_mib": round(vm_hwm(m.pid) / MiB)}
+        return files_counts(env, m, srv, before, n, lists)
 
     try:
         with mounted(env, tool, f"rsync{rep}", rclone_mode="writes") as m:
