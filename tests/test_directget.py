@@ -17,6 +17,7 @@ import pytest
 
 from marinfs.config import file as configfile
 from marinfs.remote.s3http import S3Http
+import tiers
 from marinfs.errors import PreconditionFailed, RemoteError, StaleVersionError, UsageError
 from marinfs.remote import Remote, RemoteSettings
 from marinfs.objects import ABSENT
@@ -892,3 +893,42 @@ def test_a_server_that_does_not_echo_the_crc32c_gets_md5(s3_server: Any, tmp_pat
     remote.upload(str(src), "b", ABSENT)
     assert remote.fs.cat_file(remote.full("b")) == data and remote.stats.count("part") == 5
     assert all("Content-MD5" in h and "x-amz-checksum-crc32c" not in h for h in sent)
+
+
+@tiers.needs("unit")
+def test_a_kept_connection_past_descriptor_1023_is_checked_without_select() -> None:
+    """A write-back mount holds a descriptor per staged file: during a tar -x of 2,000 files its
+    new sockets were past 1023, where select() fails ("filedescriptor out of range"), and every
+    upload that reused a kept connection failed."""
+    import resource
+    import socket
+
+    from marinfs.remote.httpbody import _readable
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        pytest.skip("the open files limit is below 1100")
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1050)
+    sock = socket.socket(fileno=high)
+    try:
+        assert not _readable(sock)
+        b.sendall(b"x")
+        assert _readable(sock)
+    finally:
+        sock.close()
+        a.close()
+        b.close()
+
+
+@tiers.needs("unit")
+def test_the_daemon_raises_its_open_files_limit_to_the_hard_one() -> None:
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit("
+            "resource.RLIMIT_NOFILE)[1])); from marinfs.app.daemon import raise_open_files_limit; "
+            "raise_open_files_limit(); s, h = resource.getrlimit(resource.RLIMIT_NOFILE); print(s == h or s >= 1 << 20)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,19 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def raise_open_files_limit() -> None:
+    """The soft limit of open files up to the hard one (as Go programs, rclone among them, do at
+    start): a write-back mount keeps a descriptor per staged file, thousands during a `tar -x`,
+    past systemd's soft default of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+        except (ValueError, OSError) as exc:
+            log.debug("open files limit stays %d: %s", soft, exc)
 
 
 def build_filesystem(cfg: MountConfig):  # -> Filesystem, kept lazy so the CLI starts fast
@@ -275,6 +289,7 @@ def effective_settings(cfg: MountConfig) -> dict[str, object]:
 def run_foreground(cfg: MountConfig) -> None:
     """Check everything, then serve the mount until it is unmounted or signalled."""
     setup_logging(cfg.log_level, cfg.log_file)
+    raise_open_files_limit()
     check_mountpoint(cfg.mountpoint)
     check_overlap(cfg.remote, cfg.mountpoint)
     check_empty(cfg.mountpoint, cfg.allow_non_empty)

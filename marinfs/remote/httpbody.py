@@ -68,7 +68,7 @@ class Connections:
                 kept = None if found is None else self._idle.pop(found)[1]
             if kept is None:
                 break
-            if kept.sock is not None and not select.select([kept.sock], [], [], 0)[0]:
+            if kept.sock is not None and not _readable(kept.sock):
                 return kept
             kept.close()
         scheme, host, port = where
@@ -259,3 +259,12 @@ def range_start(content_range: str | None) -> int | None:
         return int(content_range.split()[1].split("-", 1)[0])
     except (IndexError, ValueError):
         return -1  # unreadable: not the range asked for
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read now (an idle connection: the server closed it).
+    poll(2), not select(2): select cannot take a descriptor past 1023, and a write-back mount
+    with thousands of staged files open has its sockets there."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
