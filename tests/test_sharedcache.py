@@ -295,7 +295,9 @@ def test_a_slow_directory_costs_one_bounded_wait_then_is_skipped(shared: Path, m
         started = time.monotonic()
         for i in range(1, 8):
             assert get(tier, bucket, obj_of(), i)[1] == "bucket"
-        assert time.monotonic() - started < 0.2  # skipped: no more waits
+        # Skipped: no more waits (each of the 7 waiting its 0.2 s would be 1.4 s; a loaded
+        # 2-core box took over 0.2 s for the 7 without any wait).
+        assert time.monotonic() - started < 0.7
     finally:
         release.set()
 
