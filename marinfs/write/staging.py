@@ -144,8 +144,11 @@ class StagedFile:
                  base_version: ObjectVersion | None = None,
                  stream: Callable[..., PartStream] | None = None,
                  attrs: PosixAttrs | None = None) -> None:
-        staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
+        try:  # (the directory is there but for the first file: no mkdir per file of a tar -x)
+            fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
+        except FileNotFoundError:
+            staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)
         self.fd = fd
         self.key = key
         # The journal says what these bytes are, so a daemon that died before committing them
