@@ -169,6 +169,43 @@ def test_an_unlink_of_a_file_whose_upload_is_under_way_returns_at_once(wb: tuple
     assert ("put", "old") in gate.events and gate.events.index(("delete", "old")) > gate.events.index(("put", "old"))
 
 
+def test_deletes_of_other_names_run_together_and_their_directory_after_them(wb: tuple[Filesystem, Gate],
+                                                                             remote: Remote) -> None:
+    """rm -r in write-back: the files' deletes go at once (up to --write-back-uploads), not one
+    round trip after the other; the directory's after all of them."""
+    fs, gate = wb
+    gate.open.set()
+    fs.mkdir("/d")
+    for i in range(8):
+        write(fs, f"/d/f{i}", b"x")
+    fs.sync("/")
+    delete, remove_dir = remote.delete, remote.remove_dir
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def slow_delete(key: str) -> None:
+        time.sleep(0.3)
+        delete(key)
+        with lock:
+            order.append(key)
+
+    def recorded_remove_dir(key: str) -> None:
+        remove_dir(key)
+        with lock:
+            order.append(key + "/")
+
+    remote.delete = slow_delete  # type: ignore[method-assign]
+    remote.remove_dir = recorded_remove_dir  # type: ignore[method-assign]
+    started = time.monotonic()
+    for i in range(8):
+        fs.unlink(f"/d/f{i}")
+    fs.rmdir("/d")
+    fs.sync("/")
+    assert time.monotonic() - started < 1.5  # 8 x 0.3 s one after the other would be 2.4 s
+    assert order[-1] == "d/" and sorted(order[:-1]) == sorted(f"d/f{i}" for i in range(8))
+    assert not remote.fs.exists(remote.full("d/f0"))
+
+
 def test_a_name_deleted_here_and_made_again_lands_after_its_delete(wb: tuple[Filesystem, Gate],
                                                                   remote: Remote) -> None:
     """rm then a new file of the same name (or rm -r then mkdir): the delete queued first lands

@@ -36,7 +36,8 @@ class _Task:
     size: int = 0  # the staged bytes when queued (the bound on what waits: ``room``)
     started: bool = False
     last: bool = False  # a commit marker: starts once every task before it is done
-    op: Callable[[], None] | None = None  # a fence (a delete): after all before it, before all after it
+    op: Callable[[], None] | None = None  # a fence (a delete): after all before it (but the deletes of
+    # other names), before all after it
     op_key: str = ""
 
     @property
@@ -182,12 +183,15 @@ class WriteBack:
         now, wait = time.monotonic(), None
         fence = min((n for n, t in self._tasks.items() if t.op is not None), default=None)
         for task in self._queue:
+            if task.op is not None:
+                # A delete: after every task before it, but those held and the deletes of other
+                # names (rm -r: its deletes go together, its rmdir after them).
+                if any(n < task.seq and not self._held_locked(t) and not (t.op is not None and apart(t.key, task.key))
+                       for n, t in self._tasks.items()):
+                    break
+                return task, None
             if fence is not None and task.seq > fence:
                 break  # (nothing passes a delete not yet done)
-            if task.op is not None:
-                if any(n < task.seq and not self._held_locked(t) for n, t in self._tasks.items()):
-                    break  # (a delete: after every upload closed before it)
-                return task, None
             if task.last and any(n < task.seq for n in self._tasks):
                 continue  # (a marker: after everything closed before it)
             if task.seq <= self._hurry:
@@ -222,6 +226,11 @@ class WriteBack:
         """Something a held task waits for changed (a rename): look again."""
         with self._lock:
             self._changed.notify_all()
+
+
+def apart(a: str, b: str) -> bool:
+    """Neither key is the other nor inside it."""
+    return a != b and not a.startswith(b + "/") and not b.startswith(a + "/")
 
 
 def _covers(under: str | None, key: str) -> bool:
