@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import posixpath
@@ -200,8 +201,7 @@ class Writes:
 
     def any_under(self, key: str) -> bool:
         with self.lock:
-            return (any(k.startswith(key + "/") for k in self.staged)
-                    or any(k.startswith(key + "/") for k in self.local_dirs))
+            return any(k.startswith(key + "/") for k in itertools.chain(self.staged, self.local_dirs))
 
     # -- directories of a temporary directory --------------------------------------------------------
     def keeps_local(self, key: str) -> bool:
@@ -212,12 +212,18 @@ class Writes:
         with self.lock:
             self.local_dirs[info.name] = info
 
+    # Every lookup and listing asks these: none made (all but a write-back mount saving a
+    # checkpoint), no wait for the mount's table lock.
     def local_dir(self, key: str) -> ObjectInfo | None:
+        if not self.local_dirs:
+            return None
         with self.lock:
-            return self.local_dirs.get(key) if self.local_dirs else None
+            return self.local_dirs.get(key)
 
     def local_dirs_in(self, key: str) -> list[ObjectInfo]:
         """Local directories directly in directory ``key``."""
+        if not self.local_dirs:
+            return []
         with self.lock:
             return [d for k, d in self.local_dirs.items() if posixpath.dirname(k) == key]
 
@@ -230,14 +236,14 @@ class Writes:
         attributes) in the bucket, and leave the table: something in them is about to be."""
         with self.lock:
             made = [self.local_dirs[k] for k in _ancestry(key) if k in self.local_dirs]
-        self._make_dirs(made)
+        self.make_local_dirs(made)
 
     def materialize_tree(self, tree: str) -> None:
         """The local directories in ``tree`` (itself included) get their markers: the tree is
         renamed in the bucket, which moves what is there."""
         with self.lock:
             made = [d for k, d in self.local_dirs.items() if under(k, tree)]
-        self._make_dirs(made)
+        self.make_local_dirs(made)
 
     def make_dir(self, info: ObjectInfo) -> None:
         """Directory ``info``'s marker (and its attributes) in the bucket."""
@@ -247,9 +253,6 @@ class Writes:
 
     def make_local_dirs(self, made: list[ObjectInfo]) -> None:
         """Their markers in the bucket (all at once), then off the table."""
-        self._make_dirs(made)
-
-    def _make_dirs(self, made: list[ObjectInfo]) -> None:
         each_at_once(self.make_dir, sorted(made, key=lambda i: i.name))
         with self.lock:
             for info in made:
