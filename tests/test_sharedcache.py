@@ -183,22 +183,31 @@ def test_breaking_a_lease_never_removes_a_fresh_one(shared: Path) -> None:
     assert path.read_bytes() == b'{"holder": "fresh", "expires": 2000}'
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "trailer"])
-def test_a_damaged_chunk_is_detected_removed_and_fetched_again(shared: Path, damage: str) -> None:
-    bucket = Bucket()
-    a, b = node(shared), node(shared)
-    obj = obj_of()
-    get(a, bucket, obj)
-    a.settle()
+def publish_then_damage(shared: Path, holder, bucket: Bucket, obj: ObjectRef, damage: str) -> None:  # noqa: ANN001
+    """``holder`` reads ``obj`` (its one chunk goes to the tier), then that chunk file is damaged:
+    a bit flipped (at byte 100, or in the last byte of the data: ``flip-tail``), cut to half a
+    chunk, or its trailer's checksum flipped."""
+    get(holder, bucket, obj)
+    holder.settle()
     (path,) = (shared / "chunks").glob("*/*")
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[100] ^= 0x40
+    elif damage == "flip-tail":
+        raw[obj.size - 1] ^= 0x40  # in the last partial block, read through the scratch
     elif damage == "truncate":
         raw = raw[:CHUNK // 2]
     else:
         raw[-TRAILER.size] ^= 1
     path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "trailer"])
+def test_a_damaged_chunk_is_detected_removed_and_fetched_again(shared: Path, damage: str) -> None:
+    bucket = Bucket()
+    a, b = node(shared), node(shared)
+    obj = obj_of()
+    publish_then_damage(shared, a, bucket, obj, damage)
     assert get(b, bucket, obj)[1] == "bucket"  # never the damaged bytes
     assert b.snapshot()["corrupt"] == 1 and bucket.gets == 2
     b.settle()
@@ -457,19 +466,7 @@ def test_a_damaged_chunk_read_with_o_direct_is_detected(shared: Path, damage: st
     size = CHUNK - 1000
     a, b = node(shared), node(shared)
     obj = obj_of(size=size)
-    get(a, bucket, obj)
-    a.settle()
-    (path,) = (shared / "chunks").glob("*/*")
-    raw = bytearray(path.read_bytes())
-    if damage == "flip":
-        raw[100] ^= 0x40
-    elif damage == "flip-tail":
-        raw[size - 1] ^= 0x40  # in the last partial block, read through the scratch
-    elif damage == "truncate":
-        raw = raw[:CHUNK // 2]
-    else:
-        raw[-TRAILER.size] ^= 1
-    path.write_bytes(raw)
+    publish_then_damage(shared, a, bucket, obj, damage)
     data, source = b.get(obj, 0, size, bucket.fetcher(obj, 0, size), pool.take)
     assert source == "bucket" and bytes(data) == content(obj, 0, size)
     assert b.snapshot()["corrupt"] == 1 and bucket.gets == 2

@@ -4,6 +4,7 @@ background in closing order, and barriers (unlink, rmdir, rename, a commit marke
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -54,17 +55,25 @@ class Gate:
         remote.delete = recorded_delete  # type: ignore[method-assign]
 
 
-@pytest.fixture
-@tiers.needs("core")
-def wb(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
-    gate = Gate(remote)
-    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_uploads=4,
-                    write_back_delay=5.0, commit_markers=MARKERS, drain_timeout=30)
+@contextlib.contextmanager
+def gated(remote: Remote, tmp_path: Path, holds: Any = None, **settings: Any) -> Iterator[tuple[Filesystem, Gate]]:
+    """A write-back filesystem (4 uploads, 5 s delay) whose uploads wait for the gate; opened
+    and closed however the test ends."""
+    gate = Gate(remote) if holds is None else Gate(remote, holds=holds)
+    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back_uploads=4, write_back_delay=5.0,
+                    commit_markers=MARKERS, drain_timeout=30, **settings)
     try:
         yield fs, gate
     finally:
         gate.open.set()
         fs.close_all()
+
+
+@pytest.fixture
+@tiers.needs("core")
+def wb(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
+    with gated(remote, tmp_path, write_back=True) as made:
+        yield made
 
 
 def write(fs: Filesystem, path: str, data: bytes) -> None:
@@ -738,14 +747,8 @@ def in_scope(key: str) -> bool:
 def scoped(remote: Remote, tmp_path: Path) -> Iterator[tuple[Filesystem, Gate]]:
     """Write-back for ckpt/** only: the uploads of files there are held until the gate opens;
     every other file is committed at its close, as in the default mode."""
-    gate = Gate(remote, holds=in_scope)
-    fs = Filesystem(remote, staging_dir=tmp_path / "staging", write_back_paths=SCOPE, write_back_uploads=4,
-                    write_back_delay=5.0, commit_markers=MARKERS, drain_timeout=30)
-    try:
-        yield fs, gate
-    finally:
-        gate.open.set()
-        fs.close_all()
+    with gated(remote, tmp_path, holds=in_scope, write_back_paths=SCOPE) as made:
+        yield made
 
 
 @pytest.mark.core
