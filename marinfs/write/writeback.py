@@ -10,6 +10,12 @@ failed close's are). A barrier taken after task N waits until every task numbere
 a temporary checkpoint directory: it is about to be renamed) waits for a barrier or until its
 key no longer does (the rename re-targets it), while the tasks behind it go on. ``_tasks`` (queued and uploading tasks, by number) is guarded by ``_lock``, a
 leaf: nothing is called while it is held.
+
+Picking the next task costs O(1) a close however long the queue: a `tar -x` closes thousands of
+files within the delay, and each close used to wake all 16 workers to scan every task (and glob
+every held key) — quadratic, most of the daemon's CPU during the tar. A close wakes one idle
+worker; held tasks wait aside (``_held``) and are looked at again on a rename, a barrier or once
+a second; the fences (deletes) are counted apart.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from marinfs.write.staging import StagedFile
 
 log = logging.getLogger(__name__)
 
+HELD_LOOK = 1.0  # seconds between looks at the held tasks (a rename that frees them says so, mostly)
+
 
 @dataclass(eq=False)
 class _Task:
@@ -39,6 +47,8 @@ class _Task:
     op: Callable[[], None] | None = None  # a fence (a delete): after all before it (but the deletes of
     # other names), before all after it
     op_key: str = ""
+    held_key: str | None = None  # the key ``held`` was answered for (a rename changes it)
+    held: bool = False
 
     @property
     def key(self) -> str:
@@ -54,11 +64,16 @@ class WriteBack:
         self.delay = delay
         self._hold = hold or (lambda key: False)
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # barriers and room() wait here
+        self._work = threading.Condition(self._lock)  # idle workers wait here
         self._seq = itertools.count(1)
         self._queue: deque[_Task] = deque()  # GUARDED_BY(_lock): not started, in closing order
         self._tasks: dict[int, _Task] = {}  # GUARDED_BY(_lock): queued and uploading, by number
         self._waiting: set[int] = set()  # GUARDED_BY(_lock): id() of the staged files queued, not begun
+        self._held: list[_Task] = []  # GUARDED_BY(_lock): not begun, waiting for their rename, by number
+        self._held_seen = 0.0  # GUARDED_BY(_lock): when _held was last looked at (0: look again now)
+        self._ops: set[int] = set()  # GUARDED_BY(_lock): the numbers of the fences in _tasks
+        self._lasts: set[int] = set()  # GUARDED_BY(_lock): the numbers of the markers not begun
         self._bytes = 0  # GUARDED_BY(_lock): the sizes of the tasks in _tasks, summed
         self._last = 0  # GUARDED_BY(_lock): the last number given
         self._hurry = 0  # GUARDED_BY(_lock): tasks up to this number start without waiting their delay
@@ -78,7 +93,7 @@ class WriteBack:
             self._queue.append(task)
             self._tasks[task.seq] = task
             self._bytes += task.size
-            self._changed.notify_all()
+            self._work.notify()
             return True
 
     def enqueue_op(self, key: str, op: Callable[[], None]) -> None:
@@ -90,7 +105,8 @@ class WriteBack:
             self._last = task.seq
             self._queue.append(task)
             self._tasks[task.seq] = task
-            self._changed.notify_all()
+            self._ops.add(task.seq)
+            self._work.notify()
 
     def barrier(self, under: str | None = None, timeout: float | None = None) -> None:
         """Wait until every task queued so far (of a key ``under`` a prefix, or all) is done.
@@ -99,16 +115,30 @@ class WriteBack:
         with self._lock:
             upto = self._last
             if upto > self._hurry:  # what the barrier waits for starts now
-                self._hurry = upto
-                self._changed.notify_all()
+                self._hurry_locked(upto)
             while True:
-                waiting = [t for n, t in self._tasks.items() if n <= upto and _covers(under, t.key)]
-                if not waiting:
+                if not self._covered_locked(upto, under):
                     return
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"{len(waiting)} upload(s) still pending")
+                    waiting = sum(n <= upto and _covers(under, t.key) for n, t in self._tasks.items())
+                    raise TimeoutError(f"{waiting} upload(s) still pending")
                 self._changed.wait(left)
+
+    def _covered_locked(self, upto: int, under: str | None) -> bool:
+        """A task numbered ``upto`` or lower (under the prefix) is not done."""
+        for n, task in self._tasks.items():  # (in number order: inserted so, never moved)
+            if n > upto:
+                return False
+            if _covers(under, task.key):
+                return True
+        return False
+
+    def _hurry_locked(self, upto: int) -> None:
+        """Tasks up to ``upto`` start without their delay or hold."""
+        self._hurry = upto
+        self._held_seen = 0.0
+        self._work.notify_all()
 
     def room(self, limit: int) -> None:
         """Wait until the files queued or uploading hold at most ``limit`` bytes (a writer's close
@@ -116,8 +146,7 @@ class WriteBack:
         with self._lock:
             while self._bytes > limit and len(self._tasks) > 1:
                 if self._last > self._hurry:
-                    self._hurry = self._last
-                    self._changed.notify_all()
+                    self._hurry_locked(self._last)
                 self._changed.wait()
 
     def pending(self) -> int:
@@ -135,7 +164,7 @@ class WriteBack:
             drained = False
         with self._lock:
             self._stopping = True
-            self._changed.notify_all()
+            self._work.notify_all()
         for thread in self._threads:
             thread.join(1.0 if drained else 0.1)
         return drained
@@ -149,10 +178,13 @@ class WriteBack:
                     task, wait = self._next_locked()
                     if task is not None:
                         break
-                    self._changed.wait(wait)
+                    self._work.wait(wait)
                 self._queue.remove(task)
                 task.started = True
                 self._waiting.discard(id(task.staged))
+                self._lasts.discard(task.seq)
+                if self._queue:
+                    self._work.notify()  # (another may be ready too: its worker looks)
             if task.op is not None:
                 try:
                     task.op()
@@ -162,9 +194,12 @@ class WriteBack:
                 self._run_upload(task.staged)
             with self._lock:
                 del self._tasks[task.seq]
+                self._ops.discard(task.seq)
                 self._bytes -= task.size
                 self.uploaded += task.op is None
                 self._changed.notify_all()
+                if task.op is not None or self._blocked_locked():
+                    self._work.notify_all()  # (a fence or a marker waited for it)
 
     def _run_upload(self, staged: StagedFile) -> None:
         try:
@@ -179,53 +214,94 @@ class WriteBack:
 
     def _next_locked(self) -> tuple[_Task | None, float | None]:
         """The first task in closing order that may start now, else how long until one may (None:
-        until something changes). Held tasks are passed over; their rename or a barrier frees them."""
+        until something changes). Held tasks are set aside; their rename or a barrier frees them."""
         now, wait = time.monotonic(), None
-        fence = min((n for n, t in self._tasks.items() if t.op is not None), default=None)
+        if self._held and now - self._held_seen >= HELD_LOOK:
+            self._unhold_locked(now)
+        fence = min(self._ops, default=None)
+        first = next(iter(self._tasks), None)
+        held = []
+        found = None
         for task in self._queue:
             if task.op is not None:
                 # A delete: after every task before it, but those held and the deletes of other
                 # names (rm -r: its deletes go together, its rmdir after them).
-                if any(n < task.seq and not self._held_locked(t) and not (t.op is not None and apart(t.key, task.key))
-                       for n, t in self._tasks.items()):
+                if any(not self._held_locked(t) and not (t.op is not None and apart(t.key, task.key))
+                       for t in self._before_locked(task.seq)):
                     break
-                return task, None
+                found = task
+                break
             if fence is not None and task.seq > fence:
                 break  # (nothing passes a delete not yet done)
-            if task.last and any(n < task.seq for n in self._tasks):
+            if task.last and first is not None and first < task.seq:
                 continue  # (a marker: after everything closed before it)
             if task.seq <= self._hurry:
-                return task, None
+                found = task
+                break
             if self._held_locked(task):
+                held.append(task)
                 continue
             if task.ready_at <= now:
-                return task, None
-            wait = task.ready_at - now if wait is None else min(wait, task.ready_at - now)
+                found = task
+                break
+            wait = task.ready_at - now
             break  # (the ones behind are ready no sooner)
-        if wait is None and self._queue:
-            wait = 1.0  # held ones only: look again now and then (a rename does not notify)
-        return None, wait
+        for task in held:
+            self._queue.remove(task)
+            self._held.append(task)
+        if held:
+            self._held.sort(key=lambda t: t.seq)
+        if found is None and wait is None and self._held:
+            wait = HELD_LOOK  # (held ones: look again now and then, a rename may not say so)
+        return found, wait
+
+    def _before_locked(self, seq: int):
+        """The tasks numbered below ``seq``, in number order."""
+        for n, task in self._tasks.items():
+            if n >= seq:
+                return
+            yield task
+
+    def _blocked_locked(self) -> bool:
+        """Something queued waits for other tasks to end (a fence, a marker)."""
+        return bool(self._ops or self._lasts)
+
+    def _unhold_locked(self, now: float) -> None:
+        """Held tasks whose hold is over go back into the queue, in number order."""
+        self._held_seen = now
+        free = [t for t in self._held if not self._held_locked(t)]
+        if not free:
+            return
+        self._held = [t for t in self._held if t not in free]
+        self._queue = deque(sorted([*self._queue, *free], key=lambda t: t.seq))
 
     def _held_locked(self, task: _Task) -> bool:
         """Waiting for the rename of its temporary directory (not begun, not hurried)."""
-        return (task.staged is not None and not task.started and task.seq > self._hurry
-                and self._hold(task.staged.key))
+        if task.staged is None or task.started or task.seq <= self._hurry:
+            return False
+        key = task.staged.key
+        if task.held_key != key:  # (asked once a key: a glob match each time was most of a scan)
+            task.held_key, task.held = key, self._hold(key)
+        return task.held
 
     def mark_last(self, staged: StagedFile) -> bool:
         """``staged``'s queued upload is a commit marker's (renamed into place): it starts only
         once every upload queued before it is done. False if it has none queued."""
         with self._lock:
-            for task in self._queue:
+            for task in [*self._queue, *self._held]:
                 if task.staged is staged:
                     task.last = True
-                    self._changed.notify_all()
+                    self._lasts.add(task.seq)
+                    self._held_seen = 0.0
+                    self._work.notify_all()
                     return True
         return False
 
     def changed(self) -> None:
         """Something a held task waits for changed (a rename): look again."""
         with self._lock:
-            self._changed.notify_all()
+            self._held_seen = 0.0
+            self._work.notify_all()
 
 
 def apart(a: str, b: str) -> bool:
