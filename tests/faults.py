@@ -88,10 +88,15 @@ class TcpProxy:
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
+        poller = select.poll()  # (select() fails past descriptor 1023: a worker with many tests' files open)
+        for s in peers:
+            poller.register(s, select.POLLIN)
+        by_fd = {s.fileno(): s for s in peers}
         try:
             while not self._stop.is_set():
-                readable, _, _ = select.select([a, b], [], [], 0.1)
+                readable = [by_fd[fd] for fd, _ in poller.poll(100)]
                 if self.wedged.is_set():
+                    time.sleep(0.01)  # (poll answers at once while data waits unread)
                     continue  # hold everything: the client sees a server that never answers
                 for s in readable:
                     data = s.recv(1 << 16)

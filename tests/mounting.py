@@ -331,3 +331,21 @@ def remote_find(fs: Any, path: str, **kwargs: Any) -> Any:
                 raise
             time.sleep(0.02)
     raise AssertionError("unreachable")
+
+
+def staging_entries(staging: Path, pattern: str = "*") -> list[Path]:
+    """The staging directory's entries matching ``pattern``, but the daemon's spares
+    (marinfs/write/spares.py): an empty staging file with an empty journal, made ahead of the
+    creates that take them, holds nobody's bytes."""
+    if not staging.is_dir():
+        return []
+    found = sorted(staging.glob(pattern))
+    spares = set()
+    for journal in staging.glob("*.journal.json"):  # (a spare's journal is made first)
+        data = journal.with_name(journal.name.removesuffix(".journal.json"))
+        try:
+            if journal.stat().st_size == 0 and (not data.exists() or data.stat().st_size == 0):
+                spares |= {journal, data}
+        except FileNotFoundError:
+            continue
+    return [p for p in found if p not in spares and p.exists()]

@@ -23,6 +23,7 @@ from marinfs.read.reader import ChunkFetcher
 from marinfs.remote import TMP_PREFIX, ObjectInfo, Remote
 from marinfs.write.staging import StagedFile
 import tiers
+from mounting import staging_entries
 
 KiB, MiB = 1 << 10, 1 << 20
 W, RW, CREAT = os.O_WRONLY, os.O_RDWR, os.O_CREAT | os.O_WRONLY
@@ -78,7 +79,7 @@ def write_file(fs: Filesystem, path: str, data: bytes) -> None:
 
 
 def staging_files(fs: Filesystem) -> list[Path]:
-    return sorted(fs.staging_dir.iterdir()) if fs.staging_dir.exists() else []
+    return staging_entries(fs.staging_dir)
 
 
 # -- errors ------------------------------------------------------------------------------------

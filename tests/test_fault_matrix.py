@@ -43,7 +43,7 @@ import pytest
 import tiers
 from conftest import object_store
 from faults import HttpFaultProxy, HttpRequest
-from mounting import MARINFS, force_unmount, fsspec_client, subprocess_mount
+from mounting import MARINFS, force_unmount, fsspec_client, staging_entries, subprocess_mount
 from servers import start_seaweedfs
 from test_faults import errno_of, journals, wait_for
 from marinfs.write.staging import JOURNAL_SUFFIX
@@ -529,7 +529,7 @@ def test_a_full_staging_disk_is_enospc_to_the_writer_and_commits_nothing(store: 
         assert info.value.errno == errno.ENOSPC
         time.sleep(0.5)
         assert s.cat("model.bin") == b"the old version" and s.cat("new.bin") is None  # nothing half-done
-        assert not list(tiny_tmpfs.glob("staging/*"))  # and no partial bytes linger
+        assert not staging_entries(tiny_tmpfs / "staging")  # and no partial bytes linger
         (mnt / "small.txt").write_bytes(b"fits")  # there is room again
         assert s.cat("small.txt") == b"fits"
 
@@ -607,7 +607,7 @@ def bucket_sums(s: Store, rels: list[str]) -> dict[str, str | None]:
 
 
 def staging_left(cache: Path) -> list[str]:
-    return sorted(p.name for p in (cache / "staging").iterdir()) if (cache / "staging").is_dir() else []
+    return sorted(p.name for p in staging_entries(cache / "staging"))
 
 
 def marinfs(*args: str, env: dict[str, str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:

@@ -32,7 +32,7 @@ from marinfs.write.recovery import recover
 from marinfs.remote import Remote, RemoteSettings
 from marinfs.write.staging import JOURNAL_SUFFIX
 from chunkfiles import cut_short, records, region
-from mounting import MARINFS, fsspec_client, inprocess_mount, subprocess_mount
+from mounting import MARINFS, fsspec_client, inprocess_mount, staging_entries, subprocess_mount
 import tiers
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -60,7 +60,7 @@ def drop_page_cache() -> None:
 
 
 def journals(cache: Path) -> list[Path]:
-    return sorted((cache / "staging").glob("*" + JOURNAL_SUFFIX))
+    return staging_entries(cache / "staging", "*" + JOURNAL_SUFFIX)
 
 
 # -- in process: a memory remote behind a FaultPlan ------------------------------------------------

@@ -45,7 +45,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
     run_state_machine_as_test
 
 from conftest import object_store
-from mounting import force_unmount, fsspec_client, inprocess_mount, remote_find, subprocess_mount
+from mounting import force_unmount, fsspec_client, inprocess_mount, remote_find, staging_entries, subprocess_mount
 import tiers
 
 KiB = 1 << 10
@@ -1114,7 +1114,7 @@ def test_a_file_unlinked_or_replaced_while_open_stays_gone_after_a_crash(
     with subprocess_mount(url, mnt, cache, env=env):
         assert sorted(os.listdir(mnt)) == ["replaced"]
         assert (mnt / "replaced").read_bytes() == b"the new file"
-    assert not list((cache / "staging").glob("*.journal.json"))
+    assert not staging_entries(cache / "staging", "*.journal.json")
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])

@@ -38,7 +38,7 @@ from marinfs.remote import Remote
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
 import tiers
 from conftest import BACKENDS, object_store
-from mounting import Mounted, fsspec_client, inprocess_mount, subprocess_mount
+from mounting import Mounted, fsspec_client, inprocess_mount, staging_entries, subprocess_mount
 from test_core import fs, put, raises_errno  # noqa: F401 - fs is a fixture
 
 MiB = 1 << 20
@@ -470,7 +470,7 @@ def test_mknod_makes_regular_files_and_refuses_fifos_devices_sockets(fs: Filesys
     assert sorted(i.name for i in fs.readdir("/")) == ["plain", "typeless"]
     with raises_errno(errno.EEXIST):
         fs.mknod("/plain", stat.S_IFIFO | 0o644)
-    assert not any(p.name.endswith(".journal.json") for p in fs.staging_dir.iterdir())
+    assert not any(p.name.endswith(".journal.json") for p in staging_entries(fs.staging_dir))
 
 
 # -- through the mount, on every backend -------------------------------------------------------

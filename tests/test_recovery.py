@@ -19,7 +19,7 @@ from marinfs.write.recovery import recover
 from marinfs.remote import Remote
 from marinfs.app.status import format_failed
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
-from mounting import subprocess_mount
+from mounting import staging_entries, subprocess_mount
 from test_cli import assert_one_line_error, marinfs
 import tiers
 
@@ -63,7 +63,7 @@ def test_journal_exists_exactly_while_bytes_are_uncommitted(tmp_path: Path, remo
     staged.commit(remote.upload)
     assert not Path(staged.journal_path).exists() and remote.fs.cat_file(remote.full("renamed")) == b"abc"
     staged.discard()
-    assert list((tmp_path / "staging").iterdir()) == []
+    assert staging_entries(tmp_path / "staging") == []
 
 
 def test_replay_commits_new_files_and_unchanged_bases(tmp_path: Path, remote: Remote) -> None:
@@ -76,7 +76,7 @@ def test_replay_commits_new_files_and_unchanged_bases(tmp_path: Path, remote: Re
         ("new.txt", "new.txt", False), ("old.txt", "old.txt", False)}
     assert remote.fs.cat_file(remote.full("new.txt")) == b"never committed"
     assert remote.fs.cat_file(remote.full("old.txt")) == b"v2 staged"
-    assert list((tmp_path / "staging").iterdir()) == []  # nothing left once committed
+    assert staging_entries(tmp_path / "staging") == []  # nothing left once committed
 
 
 def test_replay_never_overwrites_a_changed_object(tmp_path: Path, remote: Remote) -> None:
@@ -103,7 +103,7 @@ def test_replay_leaves_other_remotes_and_failed_uploads(tmp_path: Path, remote: 
     monkeypatch.setattr(remote, "upload", broken)
     (result,) = recover(tmp_path / "staging", remote)
     assert result.key == "y" and result.committed_as is None and "injected" in (result.error or "")
-    assert len(list((tmp_path / "staging").glob("*" + JOURNAL_SUFFIX))) == 2  # both kept
+    assert len(staging_entries(tmp_path / "staging", "*" + JOURNAL_SUFFIX)) == 2  # both kept
 
 
 @pytest.mark.mount
@@ -128,7 +128,7 @@ def test_sigkill_with_a_staged_file_then_a_new_mount_commits_it(tmp_path: Path) 
     with subprocess_mount(str(remote_dir), mnt, cache):  # a new daemon over the same cache dir
         assert (remote_dir / "checkpoint.bin").read_bytes() == b"written before the crash"
         assert (mnt / "checkpoint.bin").read_bytes() == b"written before the crash"
-    assert not list((cache / "staging").glob("*" + JOURNAL_SUFFIX))
+    assert not staging_entries(cache / "staging", "*" + JOURNAL_SUFFIX)
 
 
 def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Path, tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_a_full_staging_disk_fails_the_write_and_commits_nothing(tiny_tmpfs: Pat
         assert info.value.errno == errno.ENOSPC
         time.sleep(0.3)
         assert not (remote_dir / "big.bin").exists()  # nothing half-committed is visible
-        assert not list(tiny_tmpfs.glob("staging/*"))  # and no partial bytes linger
+        assert not staging_entries(tiny_tmpfs / "staging")  # and no partial bytes linger
         (mnt / "small.txt").write_text("fits")  # the mount still works once there is room
         assert (remote_dir / "small.txt").read_text() == "fits"
 
@@ -171,7 +171,7 @@ def test_a_journal_that_meets_a_full_staging_disk_leaves_no_file(tiny_tmpfs: Pat
             except OSError:
                 pass  # (the failed write's error again)
         time.sleep(0.3)
-        assert not list(tiny_tmpfs.glob("staging/*"))  # no journal, no temporary, no empty staging file
+        assert not staging_entries(tiny_tmpfs / "staging")  # no journal, no temporary, no empty staging file
         assert sorted(os.listdir(mnt)) == [] and sorted(os.listdir(remote_dir)) == []
         (mnt / "small.txt").write_text("fits")  # there is room again
         assert (remote_dir / "small.txt").read_text() == "fits"
@@ -192,7 +192,7 @@ def test_a_journal_write_that_fails_removes_its_temporary(tmp_path: Path, monkey
         monkeypatch.setattr(staging.os, "write", full)
         StagedFile(tmp_path / "staging", "k", seed=None, dirty=True, remote_url="memory://x")
     monkeypatch.undo()
-    assert os.listdir(tmp_path / "staging") == []
+    assert staging_entries(tmp_path / "staging") == []
 
 
 class RecordedSession:
@@ -308,7 +308,7 @@ def test_a_commit_failing_during_a_retry_pass_stays_on_the_retry_list(tmp_path: 
     down.clear()
     fs.retry_failed_commits()
     assert remote.fs.cat_file(remote.full("second")) == b"second bytes"
-    assert fs.upload_status()["failed"] == [] and not list((tmp_path / "staging").iterdir())
+    assert fs.upload_status()["failed"] == [] and not staging_entries(tmp_path / "staging")
 
 
 @pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "NoSuchBucket")])
@@ -371,7 +371,7 @@ def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loo
     curable = error.errno == errno.EACCES
     assert failed["final"] and failed["retry"] == ("at the next start" if curable else "never")
     assert failed["attempts"] == 1 and Path(failed["staged"]).read_bytes() == b"kept bytes"
-    (journal,) = (tmp_path / "staging").glob("*" + JOURNAL_SUFFIX)
+    (journal,) = staging_entries(tmp_path / "staging", "*" + JOURNAL_SUFFIX)
     assert json.loads(journal.read_text())["final"]["errno"] == error.errno
     loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(loud) == 1 and "no retry can change this" in loud[0] and failed["staged"] in loud[0], loud
@@ -390,9 +390,9 @@ def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loo
     Filesystem(remote, staging_dir=tmp_path / "staging").recover_staged(at_start=True)
     if curable:
         assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes"
-        assert not list((tmp_path / "staging").iterdir())
+        assert not staging_entries(tmp_path / "staging")
     else:
-        assert calls == [] and len(list((tmp_path / "staging").iterdir())) == 2  # the bytes and their journal
+        assert calls == [] and len(staging_entries(tmp_path / "staging")) == 2  # the bytes and their journal
 
 
 def test_a_transient_commit_failure_is_retried_and_reported_each_time(

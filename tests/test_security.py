@@ -23,7 +23,7 @@ from marinfs.errors import UsageError
 from marinfs.core import Filesystem
 from marinfs.remote import Remote
 from marinfs.app.mounts import MountEntry, convert
-from mounting import MARINFS, daemon_pid, fsspec_client, force_unmount, inprocess_mount, subprocess_mount
+from mounting import MARINFS, daemon_pid, force_unmount, fsspec_client, inprocess_mount, staging_entries, subprocess_mount
 
 NOBODY = 65534
 
@@ -65,7 +65,7 @@ def test_the_cache_dir_is_0700_and_its_files_0600(tmp_path: Path) -> None:
                 # close commits the file and drops its journal)
                 wait_for_file(cache / "stats.json")  # published every 2 s
                 assert list((cache / "chunks").rglob("*-*-*")), "no chunk cached"
-                assert list((cache / "staging").glob("*.journal.json")), "no journal"
+                assert staging_entries(cache / "staging", "*.journal.json"), "no journal"
                 assert (cache / "stats.json").exists()
                 assert private(cache) == []
                 assert stat.S_IMODE(log.stat().st_mode) == 0o600

@@ -20,6 +20,7 @@ import tiers
 from marinfs.core import Filesystem
 from marinfs.remote import Remote
 from marinfs.write.writeback import WriteBack
+from mounting import staging_entries
 
 CREAT = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
 MARKERS = ("**/.executor_status", "**/_SUCCESS")
@@ -300,7 +301,7 @@ def test_fsync_keeps_the_bytes_on_the_local_disk_without_waiting_for_the_bucket(
     fs.write(fh, b"durable", 0)
     fs.fsync(fh)  # returns with the uploads held
     assert stored(remote, "f") is None
-    assert any(p.name.endswith(".journal.json") for p in (tmp_path / "staging").iterdir())
+    assert any(p.name.endswith(".journal.json") for p in staging_entries(tmp_path / "staging"))
     fs.flush(fh)
     fs.release(fh)
 
@@ -353,7 +354,7 @@ def test_unmount_waits_for_the_queue(remote: Remote, tmp_path: Path) -> None:
         write(fs, f"/f{i}", b"z")
     fs.close_all()
     assert fs.drained and [stored(remote, f"f{i}") for i in range(10)] == [b"z"] * 10
-    assert not any((tmp_path / "staging").iterdir())
+    assert not staging_entries(tmp_path / "staging")
 
 
 @tiers.needs("unit")
@@ -387,6 +388,53 @@ def test_the_queue_uploads_in_order_and_a_barrier_covers_only_what_came_before()
         assert started == ["a", "slow", "b"] and queue.pending() == 0
     finally:
         release.set()
+        assert queue.close(5)
+
+
+@tiers.needs("unit")
+def test_the_queue_picks_its_next_task_without_scanning_every_held_or_waiting_one() -> None:
+    """A tar -x closes thousands of files within the delay: each close woke all 16 workers
+    to scan every task and glob every held key (most of the daemon's CPU during the tar). Now
+    a held key is asked once (and again after a rename), a close wakes one worker."""
+    asked: list[str] = []
+    sent: list[str] = []
+
+    class Fake:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def known_size(self) -> int:
+            return 1
+
+    def hold(key: str) -> bool:
+        asked.append(key)
+        return key.startswith("tmp/")
+
+    queue = WriteBack(lambda staged: sent.append(staged.key), lambda staged: None, workers=16,
+                      delay=0.5, hold=hold)
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(sent) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    try:
+        held = [Fake(f"tmp/{i}") for i in range(1000)]
+        for staged in [*held, *(Fake(f"later/{i}") for i in range(1000))]:
+            assert queue.enqueue(staged)  # type: ignore[arg-type]
+        wait_for(1000)  # the others pass the held ones once their delay is over
+        time.sleep(0.2)
+        assert sorted(sent) == sorted(f"later/{i}" for i in range(1000))
+        assert len(asked) <= 2000  # each key asked once (it was ~16 x 1,000 x 1,000 globs)
+        for staged in held[:10]:  # renamed out of the held directory: they go, the others wait
+            staged.key = staged.key.replace("tmp/", "final/")
+        queue.changed()
+        wait_for(1010)
+        time.sleep(0.2)
+        assert sorted(sent[1000:]) == sorted(f"final/{i}" for i in range(10)) and len(asked) <= 2010
+        queue.barrier(timeout=10)  # a barrier frees the held ones, in closing order
+        assert sorted(sent[1010:]) == sorted(f"tmp/{i}" for i in range(10, 1000)) and len(asked) <= 2010
+    finally:
         assert queue.close(5)
 
 

@@ -24,7 +24,7 @@ from marinfs.core import Filesystem
 from marinfs.objects import ABSENT, PosixAttrs
 from marinfs.remote import Remote, RemoteSettings
 from marinfs.remote.parts import PartStream
-from mounting import MARINFS, daemon_pid, fsspec_client, subprocess_mount
+from mounting import MARINFS, daemon_pid, fsspec_client, staging_entries, subprocess_mount
 
 MiB = 1 << 20
 
@@ -453,7 +453,7 @@ def test_remote_down_during_upload_keeps_the_bytes_then_commits_them(s3_server: 
                 os.close(fd)
             assert info.value.errno == errno.EIO
             assert time.monotonic() - started < 60
-            staged = [p for p in (cache / "staging").iterdir() if not p.name.endswith(".json")]
+            staged = [p for p in staging_entries(cache / "staging") if not p.name.endswith(".json")]
             assert len(staged) == 1 and staged[0].read_bytes() == data
             status = subprocess.run([*MARINFS, "status", str(mnt)], capture_output=True, text=True,
                                     env={**os.environ, **env}, timeout=60)
@@ -470,9 +470,9 @@ def test_remote_down_during_upload_keeps_the_bytes_then_commits_them(s3_server: 
                 time.sleep(0.5)
             assert client.cat_file(f"{root}/weights.bin") == data
             deadline = time.monotonic() + 10
-            while list((cache / "staging").iterdir()) and time.monotonic() < deadline:
+            while staging_entries(cache / "staging") and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert list((cache / "staging").iterdir()) == []
+            assert staging_entries(cache / "staging") == []
 
 
 @pytest.mark.mount
@@ -542,7 +542,7 @@ def test_sigterm_commits_files_still_open(request: pytest.FixtureRequest, tmp_pa
             writer.kill()
             writer.wait()
     assert client.cat_file(f"{root}/log.txt") == bytes(range(256)) * (3 * MiB // 256)
-    assert not [p for p in (tmp_path / "cache/staging").iterdir()]
+    assert not staging_entries(tmp_path / "cache/staging")
 
 
 @pytest.mark.mount
@@ -563,7 +563,7 @@ def test_drain_timeout_bounds_the_stop_and_the_journal_keeps_the_bytes(s3_server
             finally:
                 writer.kill()
                 writer.wait()
-        journals = list((cache / "staging").glob("*.journal.json"))
+        journals = staging_entries(cache / "staging", "*.journal.json")
         assert len(journals) == 1 and not client.exists(f"{root}/state.bin")
         proxy.wedged.clear()
         with subprocess_mount(url, mnt, cache, env=env):

@@ -159,6 +159,7 @@ class Filesystem:
         release the chunk cache's lock, so the next daemon on this cache may take it, and the
         remote's threads and connections."""
         self.deferred.stop()  # (what is held back still: journaled, sent by the next start)
+        self.writes.spares.close()
         self.fetcher.close()
         if self.fetcher.cache is not None:
             self.fetcher.cache.close()

@@ -40,6 +40,7 @@ from marinfs.objects import NO_ATTRS, ObjectInfo, ObjectVersion, PosixAttrs
 from marinfs.write.deletes import DeferredDeletes, recover_in_order
 from marinfs.write.recovery import Recovered, recover
 from marinfs.remote import Remote
+from marinfs.write.spares import Spares, sweep
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile, mark_final, note_upload_in_journal
 from marinfs.write.writeback import WriteBack
 
@@ -107,6 +108,7 @@ class Writes:
                                      delay=write_back_delay, hold=self.is_held)
                            if write_back or self._scope else None)
         # Write-back: unlinks and rmdirs shown here at once, sent behind the uploads before them.
+        self.spares = Spares(staging_dir)  # (a create takes its staging file from these)
         self.deletes = (DeferredDeletes(staging_dir, remote, self.write_back, landed=self._delete_landed,
                                         failed_uploads=self._failed_uploads)
                         if self.write_back is not None else None)
@@ -133,10 +135,10 @@ class Writes:
                 if info is None or truncate or info.size == 0:
                     staged = StagedFile(self.staging_dir, key, seed=None, base_size=0,
                                         dirty=info is None or (truncate and info.size > 0),
-                                        stream=self._stream_for(key), **base)
+                                        stream=self._stream_for(key), spare=self.spares.take(), **base)
                 else:
                     staged = StagedFile(self.staging_dir, key, base_size=info.size,
-                                        seed=self.remote.download, **base)
+                                        seed=self.remote.download, spare=self.spares.take(), **base)
                 self.staged[key] = staged
                 truncate = False
             staged.retain()
@@ -648,6 +650,8 @@ class Writes:
         with self.lock:
             before = {f.staged: f for f in self.failed_commits}
         skip = self.open_staging_files()
+        if at_start:
+            sweep(self.staging_dir)  # (spares and files never written an earlier run left)
         results = (recover_in_order(self.staging_dir, self.remote, skip, at_start) if at_start
                    else recover(self.staging_dir, self.remote, skip, at_start=at_start))
         if at_start and self.deletes is not None:

@@ -74,7 +74,10 @@ def recover(staging_dir: Path, remote: Remote, skip: frozenset[str] = frozenset(
         return []
     for journal in sorted(staging_dir.glob("*" + JOURNAL_SUFFIX)):
         try:
-            entry = json.loads(journal.read_text())
+            text = journal.read_text()
+            if not text.strip():
+                continue  # a spare's, or a file's never written: nothing to commit (write/spares.py)
+            entry = json.loads(text)
             data = staging_dir / entry["data"]
             key = entry["key"]
             attrs = attrs_from_json(entry.get("attrs"))

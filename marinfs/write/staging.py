@@ -24,6 +24,7 @@ from marinfs.remote.parts import PartStream
 
 log = logging.getLogger(__name__)
 JOURNAL_SUFFIX = ".journal.json"
+STAGED_PREFIX = "staged-"
 
 
 IN_PLACE = 4096  # a journal that fits one page is rewritten by one pwrite(2)
@@ -69,8 +70,8 @@ def _rewrite_in_place(path: str, data: bytes) -> bool:
         if size > IN_PLACE:
             return False
         padded = data + b" " * (size - len(data))  # (no padding when it grew)
-        if os.pwrite(fd, padded, 0) != len(padded):  # (within the page it has: no ENOSPC)
-            raise OSError(errno.EIO, "the journal was rewritten short", path)
+        if os.pwrite(fd, padded, 0) != len(padded):  # (growing, as a spare's empty one: a full disk)
+            raise OSError(errno.ENOSPC if len(padded) > size else errno.EIO, "the journal was written short", path)
         return True
     finally:
         os.close(fd)
@@ -143,12 +144,15 @@ class StagedFile:
                  base_size: int = 0, dirty: bool = False, remote_url: str | None = None,
                  base_version: ObjectVersion | None = None,
                  stream: Callable[..., PartStream] | None = None,
-                 attrs: PosixAttrs | None = None) -> None:
-        try:  # (the directory is there but for the first file: no mkdir per file of a tar -x)
-            fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)  # mode 0600
-        except FileNotFoundError:
-            staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, self.path = tempfile.mkstemp(prefix="staged-", dir=staging_dir)
+                 attrs: PosixAttrs | None = None, spare: tuple[int, str] | None = None) -> None:
+        if spare is not None:  # made ahead (write/spares.py), with an empty journal beside it
+            fd, self.path = spare
+        else:
+            try:  # (the directory is there but for the first file: no mkdir per file of a tar -x)
+                fd, self.path = tempfile.mkstemp(prefix=STAGED_PREFIX, dir=staging_dir)  # mode 0600
+            except FileNotFoundError:
+                staging_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                fd, self.path = tempfile.mkstemp(prefix=STAGED_PREFIX, dir=staging_dir)
         self.fd = fd
         self.key = key
         # The journal says what these bytes are, so a daemon that died before committing them
@@ -185,6 +189,7 @@ class StagedFile:
                 self._mark_dirty()
             except BaseException:  # its journal found no room: nothing of this file stays
                 os.close(fd)
+                Path(self.journal_path).unlink(missing_ok=True)
                 Path(self.path).unlink(missing_ok=True)
                 raise
         self.mtime_ns = time.time_ns()
