@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from marinfs.errors import RemoteError
 from marinfs.core import Filesystem
+import marinfs.meta.listings as listings_module
 from marinfs.meta.metadata import MetadataCache
 from marinfs.remote import ObjectInfo, Remote
 
@@ -366,3 +368,61 @@ def test_a_failed_background_listing_is_ignored(remote: Remote, tmp_path: Path) 
     with pytest.raises(OSError, check=lambda e: e.errno == errno.ENOENT):
         fs.getattr("/d/m3")
     assert [c.name for c in fs.readdir("/d")] == ["d/f0"]
+
+
+def test_creates_in_a_directory_not_listed_list_it_once_and_the_next_lookups_use_that_listing(
+        remote: Remote, tmp_path: Path) -> None:
+    """tar -x over an existing tree: no mkdir of ours says the directory is empty, so each new
+    name's lookup was a HEAD, a LIST and a link's HEAD, until the third listed the directory.
+    Now the first create lists it; the next names wait a moment for that listing."""
+    for i in range(20):
+        put(remote, f"d/old{i:02d}")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    stats: list[str] = []
+    original = remote.stat
+    remote.stat = lambda key, **kw: stats.append(key) or original(key, **kw)  # type: ignore[method-assign]
+    listed = listed_keys(remote)
+    looked_up = []
+    for i in range(10):
+        before = len(stats)
+        fh = fs.create(f"/d/new{i}", os.O_WRONLY | os.O_CREAT).fh  # (its lookup first)
+        looked_up += stats[before:]
+        fs.write(fh, b"x", 0)
+        fs.release(fh)
+        if i == 0 and fs.listings is not None:
+            fs.listings.drain()
+    if fs.listings is None:  # (a local disk keeps no listings: a stat is a syscall)
+        assert len(looked_up) >= 10
+        return
+    assert looked_up == ["d/new0"] and listed["d"] == 1  # the other nine: from the one listing
+    assert {os.path.basename(c.name) for c in fs.readdir("/d")} == (
+        {f"old{i:02d}" for i in range(20)} | {f"new{i}" for i in range(10)})
+
+
+def test_a_lookup_waits_briefly_for_its_directorys_listing_in_flight(
+        remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(listings_module, "GRACE", 5.0)  # (a loaded machine: the wait is what is tested)
+    put(remote, "d/a")
+    fs = core(remote, tmp_path)
+    fs.getattr("/d")
+    blocked = BlockedListing(remote, "d")
+    start_background_listing(fs, "d")
+    assert blocked.started.wait(10)
+    threading.Timer(0.05, blocked.release).start()
+    remote.stats.reset()
+    with pytest.raises(FileNotFoundError):
+        fs.getattr("/d/nope")  # answered by the listing once it lands: no request of its own
+    assert remote.stats.count("head") == 0
+    monkeypatch.setattr(listings_module, "GRACE", 0.2)
+    blocked = BlockedListing(remote, "e")  # a listing that does not land within the grace
+    put(remote, "e/a")
+    fs.getattr("/e")
+    start_background_listing(fs, "e")
+    assert blocked.started.wait(10)
+    try:
+        t0 = time.monotonic()
+        assert fs.getattr("/e/a").size == 1  # asked itself after at most the grace
+        assert time.monotonic() - t0 < 2.0 and not blocked.released.is_set()
+    finally:
+        blocked.release()

@@ -282,6 +282,8 @@ class Filesystem:
         attrs = self.defaults.normalized(PosixAttrs(mode=mode & 0o7777), False) if keep else None
         staged = self.writes.writer(key, None, truncate=False, attrs=None if attrs is None or attrs.empty else attrs)
         handle = Handle(key=key, flags=flags, info=None, staged=staged)
+        if self.listings is not None:
+            self.listings.created(key)  # (unless listed: its next names are looked up in that listing)
         return self.kernel.opened(self.handles.add(handle), handle)
 
     def mknod(self, path: str, mode: int) -> None:

@@ -87,6 +87,13 @@ class Namespace:
                 self.listings.keep_fresh(posixpath.dirname(key))
             raise FileNotFoundError(errno.ENOENT, "no such file", key)
         if self.listings is not None:
+            # Its directory being listed (a writer's earlier miss there): that one LIST answers.
+            if self.listings.in_flight(posixpath.dirname(key)):
+                info = self.known(key)
+                if info is not None:
+                    return info
+                if self.metadata.listed_missing(key):
+                    raise FileNotFoundError(errno.ENOENT, "no such file", key)
             self.listings.note_miss(key)
         info, cached = self.ask_stat(key)
         if not cached:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -31,6 +32,8 @@ from marinfs.threadnames import name_current
 
 log = logging.getLogger(__name__)
 
+GRACE = 0.15  # seconds a lookup may wait for its directory's listing, from the listing's start
+
 
 class ListingPrefetcher:
     """Single-flight background listings: at most one per directory, ``max_pending`` in all."""
@@ -42,6 +45,7 @@ class ListingPrefetcher:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="marinfs-list", initializer=name_current)
         self._lock = threading.RLock()  # reentrant: a done callback can run inside schedule()
         self._pending: dict[str, Future[list[ObjectInfo] | None]] = {}
+        self._since: dict[str, float] = {}  # when each listing in _pending was asked for
         self._closed = False
         ttl = metadata.list_ttl or metadata.ttl or 1.0
         # Directory -> names whose lookups missed the cache there, since the first one's TTL
@@ -65,6 +69,31 @@ class ListingPrefetcher:
                 return
             del self._missed[parent]
         self.schedule(parent)
+
+    def created(self, key: str) -> None:
+        """``key`` was made here where the remote had nothing: a writer creating files in its
+        directory (``tar -x``, ``cp -r``, ``git clone`` over an existing tree, where no mkdir of
+        ours told us the directory was empty). The directory is listed at once, so the next
+        names' lookups wait a moment for that one LIST (``in_flight``) rather than each paying
+        a HEAD, a LIST and a link's HEAD: three round trips a name. A poll of a missing name
+        creates nothing: it never lists."""
+        self.schedule(posixpath.dirname(key))
+
+    def in_flight(self, key: str) -> bool:
+        """Wait for the listing of ``key`` in flight, if one is and began less than ``GRACE``
+        ago: True if it landed (a lookup in it is then answered from the cache). A small
+        directory's listing lands within it; a big one's does not, and lookups go on with their
+        own requests meanwhile, never waiting more than ``GRACE`` for a listing in all."""
+        with self._lock:
+            future = self._pending.get(key)
+            since = self._since.get(key, 0.0)
+        left = since + GRACE - time.monotonic()
+        if future is None or left <= 0:
+            return False
+        try:
+            return future.result(left) is not None
+        except Exception:  # noqa: BLE001 - a failed or slow listing: the lookup asks itself
+            return False
 
     def walked_into(self, key: str) -> None:
         """A readdir of ``key``: list its parent's other subdirectories ahead of the walker, up
@@ -116,6 +145,7 @@ class ListingPrefetcher:
                 return False
             future = self._pool.submit(self._list, key)
             self._pending[key] = future
+            self._since[key] = time.monotonic()
             future.add_done_callback(partial(self._done, key))
             return True
 
@@ -138,6 +168,7 @@ class ListingPrefetcher:
         with self._lock:
             if self._pending.get(key) is future:
                 del self._pending[key]
+                self._since.pop(key, None)
         if not future.cancelled() and future.exception() is not None:
             log.debug("background listing of %r failed: %s", key, future.exception())
 
