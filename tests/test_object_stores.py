@@ -117,6 +117,31 @@ def test_cat_of_a_small_file_costs_one_head_and_one_get(store: Store) -> None:
     assert sum(counts.values()) <= 2, counts
 
 
+def test_a_stat_that_finds_nothing_costs_a_head_and_one_listing(store: Store) -> None:
+    """On S3 a miss was a HEAD, a LIST of ``key/`` and a HEAD of ``key.rclonelink``: one LIST
+    of the names beginning with the key answers both (tar -x over an existing tree pays a miss
+    for each directory's first new name). A directory and a link still cost what they did."""
+    remote = store.core.remote
+    for i in range(120):  # names sorting between x and x/ fill the probe's page: it asks apart
+        store.put(f"p/x-{i:03d}", b"")
+    store.put("p/x/in", b"d")
+    store.put("p/y/in", b"d")
+    linked = remote.link_objects
+    if linked:
+        remote.symlink("p/ln", "y/in")
+    for key, is_dir, link, most in (("p/nope", False, False, 2), ("p/y", True, False, 2),
+                                    ("p/x", True, False, 3), ("p/ln", False, True, 3)):
+        if link and not linked:
+            continue
+        store.reset()
+        try:
+            info = remote.stat(key)
+            assert (info.is_dir, info.link) == (is_dir, link), key
+        except FileNotFoundError:
+            assert key == "p/nope"
+        assert sum(store.counts().values()) <= most, (key, store.counts())
+
+
 def test_every_stat_carries_the_object_version(store: Store) -> None:
     store.put("v", b"one")
     first = store.core.getattr("/v").version

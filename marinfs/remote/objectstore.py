@@ -68,7 +68,8 @@ class ObjectStoreRemote(Remote, abc.ABC):
         directory two (that HEAD, then a one-key delimited LIST), where fsspec's ``info`` spends
         two to three on either. ``likely_dir`` (it was a directory last time) asks the LIST
         first, so revalidating a known directory costs one request. A symbolic link
-        (``key.rclonelink``, rclone's convention) is one HEAD after those: a miss costs it too;
+        (``key.rclonelink``, rclone's convention) is one HEAD after those (S3 asks the LIST and
+        whether the link exists in one listing, ``_probe``: a miss costs a HEAD and that LIST);
         ``likely_link`` (a link last time) asks it first, so revalidating a link costs one."""
         if not key:
             return super().stat(key)
@@ -85,6 +86,15 @@ class ObjectStoreRemote(Remote, abc.ABC):
                 return self._info_of(self._call("head", self._head_object, full), key)
             except FileNotFoundError:
                 pass
+        if not likely_dir and self.link_objects:
+            probed = self._call("list", self._probe, full)
+            if probed is not None:  # one LIST said both: a miss is two requests, not three
+                is_dir, has_link = probed
+                if is_dir:
+                    return ObjectInfo(name=key, is_dir=True)
+                if not has_link:
+                    raise FileNotFoundError(errno.ENOENT, "no such object or prefix", self.url + "/" + key)
+                likely_dir = True  # (asked: only the link's HEAD is left)
         if not likely_dir and self._call("list", self._prefix_exists, full):
             return ObjectInfo(name=key, is_dir=True)
         if self.link_objects:
@@ -102,6 +112,12 @@ class ObjectStoreRemote(Remote, abc.ABC):
     @abc.abstractmethod
     def _prefix_exists(self, full: str) -> bool:
         """Whether anything is under ``full/`` (a one-key delimited listing)."""
+
+    def _probe(self, full: str) -> tuple[bool, bool] | None:
+        """After a HEAD of ``full`` found nothing: whether ``full/`` holds anything (a
+        directory) and whether its link object exists, from one listing of the names that
+        begin with ``full``; None where a store cannot say both in one request."""
+        return None
 
     def _is_marker(self, raw: dict[str, Any], name: str) -> bool:
         return name.endswith("/")

@@ -29,7 +29,7 @@ from marinfs import posixmeta
 from marinfs.checksums import crc32c_extend
 from marinfs.errors import PreconditionFailed, UsageError
 from marinfs.objects import Copied, ObjectVersion, PosixAttrs, s3_match
-from marinfs.remote.base import MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
+from marinfs.remote.base import LINK_SUFFIX, MiB, OnPage, TruncatedResponse, _exactly, _one_line, _run
 from marinfs.remote.objectstore import ObjectStoreRemote
 from marinfs.remote.parts import Counter, Runner
 from marinfs.remote.recorded import Recorded
@@ -43,6 +43,7 @@ GiB = 1 << 30
 # CreateMultipartUpload parameter). StorageClass: a copy without one is STANDARD.
 _KEPT_HEADERS = ("ContentType", "ContentEncoding", "ContentLanguage", "ContentDisposition", "CacheControl",
                  "StorageClass", "ServerSideEncryption", "SSEKMSKeyId", "WebsiteRedirectLocation")
+PROBE_KEYS = 100  # a miss's one LIST: names beginning with the key, up to its key/ (see _probe)
 HEAD_REUSE_SECONDS = 5.0  # a HEAD this recent of the expected ETag spares set_attrs its own
 
 
@@ -238,6 +239,20 @@ class S3Remote(Recorded, ObjectStoreRemote):
         out = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key.rstrip("/") + "/", Delimiter="/",
                               MaxKeys=1)
         return bool(out.get("Contents") or out.get("CommonPrefixes"))
+
+    def _probe(self, full: str) -> tuple[bool, bool] | None:
+        """One delimited LIST of the names beginning with the key: ``key/`` is a common prefix
+        if it is a directory, ``key.rclonelink`` an entry if it is a link (both sort before
+        ``key0``; only names like ``key-x`` or ``key.a`` come between). None if the page ends
+        before it could tell (the caller asks each question apart)."""
+        bucket, key, _ = self.fs.split_path(full)
+        key = key.rstrip("/")
+        out = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, Delimiter="/", MaxKeys=PROBE_KEYS)
+        names = [c["Key"] for c in out.get("Contents") or ()] + [p["Prefix"] for p in out.get("CommonPrefixes") or ()]
+        is_dir, has_link = key + "/" in names, key + LINK_SUFFIX in names
+        if out.get("IsTruncated") and not is_dir and not any(n > key + "/" for n in names):
+            return None  # (names between the key and key/ filled the page)
+        return is_dir, has_link
 
     def _list_entries(self, full: str, on_page: OnPage | None = None) -> list[dict[str, Any]]:
         sdk = super()._list_entries
