@@ -148,6 +148,14 @@ class BlockedListing:
         self.released.set()
 
 
+def listing_held(fs: Filesystem, remote: Remote, d: str) -> BlockedListing:
+    """A background listing of ``d`` in flight, held until release()."""
+    blocked = BlockedListing(remote, d)
+    start_background_listing(fs, d)
+    assert blocked.started.wait(10)
+    return blocked
+
+
 def start_background_listing(fs: Filesystem, d: str) -> None:
     """Three lookups that miss the cache in ``d`` (names that do not exist: no stat is cached)."""
     for name in ("m0", "m1", "m2"):
@@ -338,9 +346,7 @@ def test_a_readdir_waits_for_the_listing_in_flight_instead_of_listing_again(
     put(remote, "d/f0")
     fs = core(remote, tmp_path)
     fs.getattr("/d")
-    blocked = BlockedListing(remote, "d")
-    start_background_listing(fs, "d")
-    assert blocked.started.wait(10)
+    blocked = listing_held(fs, remote, "d")
     remote.stats.reset()
     result: list[list[ObjectInfo]] = []
     reader = threading.Thread(target=lambda: result.append(fs.readdir("/d")))
@@ -406,20 +412,16 @@ def test_a_lookup_waits_briefly_for_its_directorys_listing_in_flight(
     put(remote, "d/a")
     fs = core(remote, tmp_path)
     fs.getattr("/d")
-    blocked = BlockedListing(remote, "d")
-    start_background_listing(fs, "d")
-    assert blocked.started.wait(10)
+    blocked = listing_held(fs, remote, "d")
     threading.Timer(0.05, blocked.release).start()
     remote.stats.reset()
     with pytest.raises(FileNotFoundError):
         fs.getattr("/d/nope")  # answered by the listing once it lands: no request of its own
     assert remote.stats.count("head") == 0
     monkeypatch.setattr(listings_module, "GRACE", 0.2)
-    blocked = BlockedListing(remote, "e")  # a listing that does not land within the grace
     put(remote, "e/a")
     fs.getattr("/e")
-    start_background_listing(fs, "e")
-    assert blocked.started.wait(10)
+    blocked = listing_held(fs, remote, "e")  # a listing that does not land within the grace
     try:
         t0 = time.monotonic()
         assert fs.getattr("/e/a").size == 1  # asked itself after at most the grace

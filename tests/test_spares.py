@@ -8,7 +8,6 @@ import json
 import os
 import stat
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ from marinfs.write.spares import Spares, make, sweep
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
 from mounting import staging_entries
 import tiers
-
-
-@pytest.fixture
-@tiers.needs("core")
-def remote() -> Remote:
-    url = f"memory://spares-{uuid.uuid4().hex[:10]}"
-    r = Remote(url)
-    r.fs.mkdir(r.root)
-    return r
 
 
 def ready(spares: Spares, count: int = 1) -> None:

@@ -357,17 +357,20 @@ def test_unmount_waits_for_the_queue(remote: Remote, tmp_path: Path) -> None:
     assert not staging_entries(tmp_path / "staging")
 
 
+class Fake:
+    """What the queue needs of a staged file."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def known_size(self) -> int:
+        return 1
+
+
 @tiers.needs("unit")
 def test_the_queue_uploads_in_order_and_a_barrier_covers_only_what_came_before() -> None:
     started: list[str] = []
     release = threading.Event()
-
-    class Fake:
-        def __init__(self, key: str) -> None:
-            self.key = key
-
-        def known_size(self) -> int:
-            return 1
 
     def upload(staged: Any) -> None:
         started.append(staged.key)
@@ -398,13 +401,6 @@ def test_the_queue_picks_its_next_task_without_scanning_every_held_or_waiting_on
     a held key is asked once (and again after a rename), a close wakes one worker."""
     asked: list[str] = []
     sent: list[str] = []
-
-    class Fake:
-        def __init__(self, key: str) -> None:
-            self.key = key
-
-        def known_size(self) -> int:
-            return 1
 
     def hold(key: str) -> bool:
         asked.append(key)
