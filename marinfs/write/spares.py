@@ -121,7 +121,9 @@ _NEW = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _drop(path: str) -> None:
-    for name in (path + JOURNAL_SUFFIX, path):
+    """The file, then its journal (the reverse of ``make``): an empty journal alone, never a
+    staging file without one, is what anyone looking meanwhile sees."""
+    for name in (path, path + JOURNAL_SUFFIX):
         try:
             os.unlink(name)
         except FileNotFoundError:
