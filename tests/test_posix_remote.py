@@ -597,3 +597,29 @@ def test_s3_past_the_copy_limit_set_attrs_and_copy_are_multipart_copies(request:
     with pytest.raises(PreconditionFailed):
         remote.set_attrs("big2", NO_ATTRS, version)
     remote.close()
+
+
+def test_a_memory_listing_that_meets_a_concurrent_write_is_asked_again() -> None:
+    """fsspec's memory store is one dict for the process: a walk iterating it while another
+    thread commits failed with 'dictionary changed size during iteration' (a rename was EIO)."""
+    remote = Remote(f"memory://t-{uuid.uuid4().hex}")
+    assert isinstance(remote, MemoryRemote)
+    remote.fs.pipe_file(remote.full("d/a"), b"x")
+    real, calls = remote.fs.find, []
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return real(*args, **kwargs)
+
+    remote.fs.find = racing  # type: ignore[method-assign]
+    try:
+        files, _, _ = remote.walk("d")
+        assert list(files) == ["d/a"] and len(calls) == 2
+        remote.fs.find = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("another bug"))  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="another bug"):
+            remote.walk("d")  # (any other error is not retried)
+    finally:
+        remote.fs.find = real  # type: ignore[method-assign]
+        remote.fs.rm(remote.root, recursive=True)

@@ -70,6 +70,14 @@ class MemoryRemote(Recorded, Remote):
     def _lock(self, full: str) -> threading.Lock:
         return _commit_locks[hash(self.fs._strip_protocol(full)) % len(_commit_locks)]
 
+    def _is_transient(self, exc: BaseException) -> bool:
+        """fsspec's memory store is one dict for the process: a ``find`` or ``ls`` iterating it
+        while another thread writes (a commit, a directory record) fails with "dictionary
+        changed size during iteration"; asked again, it answers (a rename's walk was EIO)."""
+        if isinstance(exc, RuntimeError) and "changed size during iteration" in str(exc):
+            return True
+        return super()._is_transient(exc)
+
     def _stored(self, key: str) -> Any:
         return self.fs.store.get(self.fs._strip_protocol(self.full(key)))
 
