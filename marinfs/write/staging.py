@@ -469,9 +469,9 @@ class StagedFile:
                 self.kept = True  # the journal stays: the next start (or a retry) commits it
                 log.debug("%s: uncommitted bytes kept in %s", self.key, self.path)  # the caller reports it
                 return
-            self._drop_journal()
-            Path(self.journal_path).unlink(missing_ok=True)
-            try:
+            try:  # (the bytes first, then what describes them: never a staging file without a journal)
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            self._drop_journal()
+            Path(self.journal_path).unlink(missing_ok=True)
