@@ -40,7 +40,6 @@ class Spares:
         self._want = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None  # GUARDED_BY(_lock): made at the first take
         self._stopping = False  # GUARDED_BY(_lock)
-        self.broken: OSError | None = None  # the last error making one (the creates make their own)
 
     def take(self) -> tuple[int, str] | None:
         """An empty staging file (descriptor, path) with an empty journal at its path +
@@ -86,7 +85,6 @@ class Spares:
                 fd, spare = make(self.dir)
                 os.close(fd)
             except OSError as exc:  # a full or gone cache disk: the creates say so themselves
-                self.broken = exc
                 log.debug("cannot make a spare staging file: %s", exc)
                 with self._lock:
                     self._want.wait(1.0)
