@@ -115,13 +115,17 @@ def weed_mount(filer: str, path: str, where: Path, work: Path) -> Iterator[Path]
 
 
 def force_unmount(mnt: Path) -> None:
-    """Unmount, lazily if busy; never leaves a mount behind."""
+    """Unmount, lazily if busy; never leaves a mount behind (a killed daemon's too, whose
+    mountpoint no stat answers: os.path.ismount says False there)."""
+    def mounted() -> bool:
+        return os.path.ismount(mnt) or bool(fuse_connections(Path(os.path.realpath(mnt))))
+
     for args in (["-u"], ["-u", "-z"]):
-        if not os.path.ismount(mnt):
+        if not mounted():
             return
         subprocess.run(["fusermount3", *args, str(mnt)], capture_output=True, timeout=60)
         for _ in range(100):
-            if not os.path.ismount(mnt):
+            if not mounted():
                 return
             time.sleep(0.05)
 
@@ -331,6 +335,15 @@ def remote_find(fs: Any, path: str, **kwargs: Any) -> Any:
                 raise
             time.sleep(0.02)
     raise AssertionError("unreachable")
+
+
+def daemon_ended(*filesystems: Any) -> None:
+    """Those daemons ended (or were killed): their spare-making threads stop, as a dead daemon's
+    would. Else a next start's sweep of the same staging directory races an earlier Filesystem's
+    thread: a journal swept between its two files leaves an empty staging file no journal
+    describes (a clean-clone CI run saw one)."""
+    for fs in filesystems:
+        fs.writes.spares.close()
 
 
 def staging_entries(staging: Path, pattern: str = "*") -> list[Path]:

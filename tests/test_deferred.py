@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import tiers
+from mounting import daemon_ended
 from marinfs.core import Filesystem
 from marinfs.core.deferred import DEFER_SECONDS
 from marinfs.remote import Remote
@@ -241,6 +242,7 @@ def test_a_crash_within_the_window_leaves_them_to_the_next_start(memory: Remote,
     fs.set_attributes("/f", mode=0o600)
     fs.deferred.stop()  # (SIGKILL: nothing more is sent)
     assert stored(memory, "f").mode is None and len(journals(tmp_path / "staging")) == 1
+    daemon_ended(fs)
     again = Filesystem(memory, staging_dir=tmp_path / "staging")
     again.recover_staged(at_start=True)
     again.send_kept_attributes()

@@ -19,7 +19,7 @@ from marinfs.write.recovery import recover
 from marinfs.remote import Remote
 from marinfs.app.status import format_failed
 from marinfs.write.staging import JOURNAL_SUFFIX, StagedFile
-from mounting import staging_entries, subprocess_mount
+from mounting import daemon_ended, staging_entries, subprocess_mount
 from test_cli import assert_one_line_error, marinfs
 import tiers
 
@@ -378,6 +378,7 @@ def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loo
     assert "final" in format_failed(failed) and failed["staged"] in format_failed(failed)
 
     calls.clear()
+    daemon_ended(fs)
     again = Filesystem(remote, staging_dir=tmp_path / "staging")  # a new daemon on the same cache
     again.recover_staged(at_start=True)
     assert calls == (["ckpt"] if curable else [])  # a bad name is never sent again
@@ -387,6 +388,7 @@ def test_a_final_commit_failure_is_kept_reported_once_and_never_retried_in_a_loo
     assert calls == (["ckpt"] if curable else [])
     broken.clear()  # the credentials fixed (a name stays what it is)
     calls.clear()
+    daemon_ended(again)
     Filesystem(remote, staging_dir=tmp_path / "staging").recover_staged(at_start=True)
     if curable:
         assert remote.fs.cat_file(remote.full("ckpt")) == b"kept bytes"

@@ -20,7 +20,7 @@ import tiers
 from marinfs.core import Filesystem
 from marinfs.remote import Remote
 from marinfs.write.writeback import WriteBack
-from mounting import staging_entries
+from mounting import daemon_ended, staging_entries
 
 CREAT = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
 MARKERS = ("**/.executor_status", "**/_SUCCESS")
@@ -313,6 +313,7 @@ def test_a_daemon_killed_with_uploads_pending_uploads_them_at_its_next_start(rem
     for i in range(10):
         write(first, f"/f{i}", f"bytes {i}".encode())
     try:
+        daemon_ended(first)
         second = Filesystem(remote, staging_dir=tmp_path / "staging")  # the next start, same cache directory
         results = second.recover_staged(at_start=True)
         assert sorted(r.key for r in results if r.committed_as) == sorted(f"f{i}" for i in range(10))
@@ -338,6 +339,7 @@ def test_deletes_a_killed_daemon_queued_are_sent_at_its_next_start_after_the_upl
     write(first, "/keep", b"again")
     assert len(list((tmp_path / "staging").glob("delete-*.json"))) == 2
     try:
+        daemon_ended(first)
         second = Filesystem(remote, staging_dir=tmp_path / "staging")
         second.recover_staged(at_start=True)
         assert stored(remote, "x") == b"new" and stored(remote, "keep") == b"again"

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import tiers
+from mounting import daemon_ended
 from test_writeback import stored, write
 
 from marinfs.core import Filesystem
@@ -107,6 +108,7 @@ def test_a_retargeted_rename_over_an_existing_object_survives_a_crash(remote: Re
     first.lookup("f")
     first.rename("/.f.tmp", "/f")
     # killed: never closed (its workers wait 600 s); the next start on the same cache directory
+    daemon_ended(first)
     second = Filesystem(remote, staging_dir=tmp_path / "staging")
     results = second.recover_staged(at_start=True)
     assert [(r.key, r.committed_as, r.conflict) for r in results] == [("f", "f", False)], results
@@ -221,6 +223,7 @@ def test_a_commit_its_writer_interrupted_is_kept_not_retried_in_a_loop(remote: R
     assert sent == ["sparse"] and [f["retry"] for f in fs.upload_status()["failed"]] == ["at the next start"]
     assert fs.retry_failed_commits() == [] and sent == ["sparse"]  # the retry loop sends nothing
     remote.upload = upload  # type: ignore[method-assign]
+    daemon_ended(fs)
     later = Filesystem(remote, staging_dir=tmp_path / "staging")  # the next start tries it once
     later.recover_staged(at_start=True)
     assert bytes(remote.fs.cat_file(remote.full("sparse"))) == b"bytes"
@@ -458,10 +461,12 @@ def test_a_killed_daemons_delete_waits_at_the_next_start_for_an_upload_before_it
         write(first, "/step2/a", b"new step")  # pending when the daemon dies
         first.unlink("/step1/a")
         down = _failing(remote, "upload")
+        daemon_ended(first)
         second = Filesystem(remote, staging_dir=tmp_path / "staging")
         second.recover_staged(at_start=True)
         assert stored(remote, "step1/a") == b"old step", names(remote)
         down["on"] = False
+        daemon_ended(second)
         third = Filesystem(remote, staging_dir=tmp_path / "staging")  # the start after: both go
         third.recover_staged(at_start=True)
         assert stored(remote, "step2/a") == b"new step" and stored(remote, "step1/a") is None, names(remote)
@@ -486,6 +491,7 @@ def test_a_delete_left_by_a_killed_daemon_and_not_sent_at_start_is_shown_kept_an
         write(first, "/step2/a", b"new step")
         first.unlink("/step1/a")
         down = _failing(remote, "upload")
+        daemon_ended(first)
         second = Filesystem(remote, staging_dir=tmp_path / "staging", write_back=True, write_back_delay=0)
         second.recover_staged(at_start=True)
         assert [d["key"] for d in second.upload_status()["failed_deletes"]] == ["step1/a"]
