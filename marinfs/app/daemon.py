@@ -324,6 +324,9 @@ def run_foreground(cfg: MountConfig) -> None:
     adapter.on_destroy = lambda: sd_notify("STOPPING=1")  # unmounting: draining begins
     log.info("mounting %s at %s", cfg.remote, cfg.mountpoint)
     stop, live = threading.Event(), threading.Event()
+    # Live from the kernel's INIT on: a stop signal from then on is a normal stop (exit 0), even
+    # before the stats loop has seen the mount (it looks every 20 ms).
+    adapter.on_init = live.set
     start_thread(_watch_mount, "marinfs-watch", fs, cfg, stop, live)
     start_thread(fs.remote.warm, "warm")
     try:

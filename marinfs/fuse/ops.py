@@ -150,6 +150,7 @@ class FuseAdapter(fuse.Operations):
     use_ns = True
     metrics: Any = None  # a marinfs.app.metrics.Metrics when --metrics-port is set
     on_destroy: Any = None  # called when the session ends, before open files are committed
+    on_init: Any = None  # called once the kernel's INIT is answered: the mount is live
 
     def __init__(self, fs: Filesystem, uid: int, gid: int, file_mode: int, dir_mode: int,
                  passthrough: bool = True) -> None:
@@ -261,6 +262,13 @@ class FuseAdapter(fuse.Operations):
     def init_with_config(self, conn: Any, config: Any) -> None:
         """Take FUSE_INTERRUPT; ask for passthrough where libfuse and the kernel have it (conn:
         fuse_conn_info)."""
+        try:
+            self._init(conn, config)
+        finally:
+            if self.on_init is not None:
+                self.on_init()
+
+    def _init(self, conn: Any, config: Any) -> None:
         if config is not None and LIBFUSE_INTERRUPT_OPT_IN:
             # 3.17 tells the kernel to send no FUSE_INTERRUPT unless ``intr`` is set (no longer
             # a mount option: the config of init, read after it). It also has libfuse signal the
