@@ -15,6 +15,9 @@ measures, each case with fresh mounts, empty caches and the page cache dropped:
      waits, lease timeouts and skipped publishes when there were any
   f. this disk's floor for (c) and (d) without marinfs: here every cache and the shared
      directory are one disk, so a mount reading the tier also writes its own cache there
+  g. the whole machine's busy core-seconds in each case (/proc/stat): N daemons, the server and
+     the readers share these cores where N nodes would each have their own, so (c) can go no
+     faster than its work over the cores (printed as the CPU floor)
 
 Bucket bytes are each daemon's ``marinfs_chunk_bytes{source="bucket"}`` (its metrics), plus
 ``bytes_in`` of its remote (every GET). Needs root (drop_caches) and fuse3:
@@ -52,6 +55,7 @@ from peers_bench import cpu_seconds  # noqa: E402
 from marinfs.config.mount import parse_size  # noqa: E402
 
 MiB = 1 << 20
+CORES = os.cpu_count() or 1
 
 
 def drop_caches() -> None:
@@ -82,6 +86,16 @@ def peak_rss(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, iowait) core-seconds of the whole machine so far (/proc/stat): the server, every
+    daemon, the readers and the kernel's own work on their behalf, all on these cores."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    hz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / hz, iowait / hz
 
 
 def read_file(path: Path) -> float:
@@ -124,6 +138,7 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
         drop_caches()
         before = [metrics(node["port"]) for node in mounts.nodes]
         cpu0 = [cpu_seconds(node["pid"]) for node in mounts.nodes]
+        machine0, started = machine_cpu(), time.perf_counter()
         times: list[float] = [0.0] * n
         if together:
             barrier = threading.Barrier(n)
@@ -141,13 +156,15 @@ def case(server, url: str, base: Path, name: str, n: int, shared: Path | None, t
             for i, node in enumerate(mounts.nodes):
                 times[i] = read_file(node["mnt"] / obj)
                 time.sleep(1.0)  # the last chunks' publishing, in the background
+        wall, machine1 = time.perf_counter() - started, machine_cpu()
         after = [metrics(node["port"]) for node in mounts.nodes]
         cpu = [cpu_seconds(node["pid"]) - c for node, c in zip(mounts.nodes, cpu0)]
         per = [{k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in range(n)]
         rss = [peak_rss(node["pid"]) for node in mounts.nodes]
     finally:
         mounts.close()
-    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss, "cpu": cpu}
+    return {"case": name, "seconds": times, "moved": per, "peak_rss": rss, "cpu": cpu, "wall": wall,
+            "machine_busy": machine1[0] - machine0[0], "machine_iowait": machine1[1] - machine0[1]}
 
 
 def direct_read(shared: Path, drop: bool = True) -> float:
@@ -254,6 +271,8 @@ def main() -> None:
                      "shared_corrupt", "shared_degraded")}
             if any(any(v) for v in tier.values()):
                 print(f"{'':>12}tier: {', '.join(f'{k} {v}' for k, v in tier.items() if any(v))}")
+            print(f"{'':>12}machine: {c['machine_busy']:.2f} core-s busy, {c['machine_iowait']:.2f} in I/O wait, "
+                  f"over {c['wall']:.2f} s ({c['machine_busy'] / c['wall']:.2f} of {CORES} cores busy)")
         turn = cases[3]["seconds"][1:]
         print(f"shared directory read directly: {direct:.2f} s ({size / MiB / direct:.0f} MiB/s); mounts 2..{n} "
               f"in turn at {[round(direct / s, 2) for s in turn]} of that speed")
@@ -261,6 +280,12 @@ def main() -> None:
               f"with O_DIRECT) {floor['hit']:.2f} s = {direct / floor['hit']:.2f} of the direct read's speed; "
               f"{n} together ({n + 1} GiB-scale writers, {n - 1} readers at once) {floor['together']:.2f} s "
               f"= {floor['together'] / alone:.2f} x one mount alone")
+        # Each node has its own cores; here N daemons, the server and the readers share CORES:
+        # (c)'s work alone needs its busy core-seconds / CORES of wall time on this machine.
+        cpu_floor = cases[2]["machine_busy"] / CORES
+        print(f"this machine's CPU floor for {n} together: {cases[2]['machine_busy']:.2f} core-s of work "
+              f"(one alone: {cases[0]['machine_busy']:.2f}) on {CORES} cores needs {cpu_floor:.2f} s "
+              f"= {cpu_floor / alone:.2f} x one mount alone")
         ratios["together / alone"].append(max(cases[2]["seconds"]) / alone)
         ratios["in turn 2..N / direct"].append(min(direct / s for s in turn))
     if args.reps > 1:
