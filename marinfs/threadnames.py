@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from marinfs import stopsignals
+
 _PR_SET_NAME = 15
 _COMM_MAX = 15  # the kernel keeps 15 bytes of a thread's name (TASK_COMM_LEN - 1)
 
@@ -40,7 +42,8 @@ def start_thread(target: Callable[..., object], name: str, *args: object) -> thr
         target(*args)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
+    with stopsignals.blocked():  # (inherited: the daemon's stop signals are its main thread's)
+        thread.start()
     return thread
 
 

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "marinfs"
 
 # The ground floor: value types, errors and small helpers every package may use; they import
 # nothing of ours but each other.
-GROUND = {"marinfs", "errors", "objects", "checksums", "threadnames", "posixmeta", "interrupts"}
+GROUND = {"marinfs", "errors", "objects", "checksums", "threadnames", "stopsignals", "posixmeta", "interrupts"}
 # What each package may import besides itself and the ground floor. Keep in step with the table
 # in docs/architecture.md. No exceptions: a module that needs more belongs elsewhere.
 RULES: dict[str, set[str]] = {

@@ -10,7 +10,6 @@ import logging
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -24,16 +23,11 @@ from marinfs.errors import MountError, UsageError
 from marinfs.app.mounts import live_mounts
 from marinfs.app.notify import sd_notify
 from marinfs.config.settings import CHILD, ENV
+from marinfs import stopsignals
 from marinfs.threadnames import start_thread
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "marinfs[%(process)d] %(levelname)s %(name)s: %(message)s"
-# libfuse ends its loop on these (fuse_set_signal_handlers), by a handler that sets a flag and
-# counts on interrupting the main thread's wait. The kernel hands a process's signal to any
-# thread that does not block it: one taken by a Python thread (the stats loop, an upload worker)
-# set the flag and woke nobody, and the daemon served on after SIGTERM or Ctrl-C (1 stop in 10
-# on a busy machine). libfuse's own threads block them; every thread of ours does too.
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def runtime_dir() -> Path:
@@ -295,7 +289,7 @@ def effective_settings(cfg: MountConfig) -> dict[str, object]:
 
 def run_foreground(cfg: MountConfig) -> None:
     """Check everything, then serve the mount until it is unmounted or signalled."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by every thread started here
+    stopsignals.leave_to_main_thread()
     setup_logging(cfg.log_level, cfg.log_file)
     raise_open_files_limit()
     check_mountpoint(cfg.mountpoint)
@@ -330,7 +324,6 @@ def run_foreground(cfg: MountConfig) -> None:
     start_thread(_watch_mount, "marinfs-watch", fs, cfg, stop, live)
     start_thread(fs.remote.warm, "warm")
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # the main thread alone takes them
         serve(adapter, cfg.mountpoint, fsname=cfg.remote, read_only=cfg.read_only,
               allow_other=cfg.allow_other, attr_timeout=min(cfg.metadata_ttl, 1.0),
               negative_timeout=min(cfg.negative_ttl, 1.0), inode_ttl=cfg.inode_ttl)
