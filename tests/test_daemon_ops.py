@@ -93,6 +93,36 @@ def test_a_stop_signal_that_lands_on_a_python_thread_still_ends_the_daemon(
         force_unmount(mnt)
 
 
+def test_ctrl_c_while_the_daemon_starts_ends_it_at_once(tmp_path: Path) -> None:
+    """A store that never answers holds the start (the daemon's first request); Ctrl-C there ends
+    it at once with 130 and no traceback: the stop signals are left to the main thread, not
+    blocked through the start (a first version of that fix waited for the start to end)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        silent.settimeout(60)
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        proc = subprocess.Popen([*MARINFS, "mount", "s3://bucket/prefix", str(mnt), "--foreground",
+                                 "--cache-dir", str(tmp_path / "cache")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            conn, _ = silent.accept()  # the daemon is asking, and waits
+            with conn:
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=30)
+                assert proc.returncode == 130 and time.monotonic() - sent < 5, err.decode()
+                assert "Traceback" not in err.decode() and not os.path.ismount(mnt)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+            force_unmount(mnt)
+
+
 @pytest.fixture
 @tiers.needs("mount")
 def mount_helper_installed() -> Iterator[Path]:
