@@ -288,7 +288,12 @@ def test_a_writer_on_another_node_meanwhile_gets_a_conflict_copy_not_an_overwrit
     remote.fs.pipe_file(remote.full("f"), b"theirs")  # another node's commit meanwhile
     fs.flush(fh)
     fs.release(fh)
-    fs.sync("/")  # (the bytes landed, beside the object: reported, not lost)
+    # The bytes landed, beside the object: the next sync of a tree holding f says so, once.
+    fs.mkdir("/elsewhere", 0o755)
+    assert fs.sync("/elsewhere") == b"0"  # a tree it is not in
+    with pytest.raises(OSError, check=lambda e: e.errno == errno.EEXIST):
+        fs.sync("/")
+    assert fs.sync("/") == b"0"  # reported: not every sync after it
     conflicts = fs.upload_status()["conflicts"]
     assert [c["key"] for c in conflicts] == ["f"] and stored(remote, "f") == b"theirs"
     assert stored(remote, conflicts[0]["committed_as"]) == b"ours"

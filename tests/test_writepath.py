@@ -291,6 +291,9 @@ def test_no_blind_overwrite_of_a_changed_object(request: pytest.FixtureRequest, 
     assert client.cat_file(conflict) == ours
     assert core.upload_status()["conflicts"][0]["key"] == "status"
     assert core.upload_status()["failed"] == []  # nothing is left to retry: the bytes are safe
+    with pytest.raises(FsError, check=lambda e: e.errno == errno.EEXIST):
+        core.sync("/")  # `marinfs sync` says so too (a writer may not look at close), once
+    assert core.sync("/") == b"0"
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3"])

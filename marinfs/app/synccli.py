@@ -77,6 +77,13 @@ def _sync_one(path: str, mountpoint: str, quiet: bool) -> None:
         kept = "they are" if deletes else "their bytes are"
         raise MarinfsError(f"{path}: {what} failed to upload{' or to delete' if deletes else ''}; {kept} kept "
                            f"and retried" + (f": {named}" if keys else "") + f" (see `marinfs status {mountpoint}`)")
+    if isinstance(error, OSError) and error.errno == errno.EEXIST:
+        pairs = _conflicts_under(path, mountpoint, since=time.time())
+        what = f"{len(pairs)} file{'s' * (len(pairs) != 1)}" if pairs else "files"
+        named = ", ".join(f"{key} (ours: {copy})" for key, copy in pairs[:5])
+        named += f" and {len(pairs) - 5} more" if len(pairs) > 5 else ""
+        raise MarinfsError(f"{path}: {what} changed by someone else before the upload: theirs stay, our bytes "
+                           f"are beside" + (f": {named}" if pairs else "") + f" (see `marinfs status {mountpoint}`)")
     if isinstance(error, OSError) and error.errno in (errno.ENODATA, errno.ENOTSUP):
         raise UsageError(f"{path}: this mount's daemon does not know `marinfs sync` (remount it)")
     raise error
@@ -87,19 +94,36 @@ def _failed_under(path: str, mountpoint: str, since: float) -> tuple[list[str], 
     failed, sorted, as the daemon publishes them (every 2 s): from figures published after
     ``since`` (the barrier's answer), waited for up to PUBLISHED_WITHIN s. (All the mount's were
     named, from figures up to 2 s old.)"""
-    tree = os.path.relpath(path, mountpoint)
+    tree, items = os.path.relpath(path, mountpoint), _published(mountpoint, since)
+
+    def under(kind: str) -> list[str]:
+        keys = {str(f.get("key")) for item in items for f in item.get("uploads", {}).get(kind, [])}
+        return sorted(k for k in keys if _in(k, tree))
+
+    return under("failed"), under("failed_deletes")
+
+
+def _conflicts_under(path: str, mountpoint: str, since: float) -> list[tuple[str, str]]:
+    """(key, where our bytes went) of the conflicts under ``path`` the daemon lists (every one
+    this mount has had there: the answer said some are new)."""
+    tree, items = os.path.relpath(path, mountpoint), _published(mountpoint, since)
+    pairs = {(str(c.get("key")), str(c.get("committed_as"))) for item in items
+             for c in item.get("uploads", {}).get("conflicts", [])}
+    return sorted(p for p in pairs if _in(p[0], tree))
+
+
+def _in(key: str, tree: str) -> bool:
+    return tree == "." or key == tree or key.startswith(tree + "/")
+
+
+def _published(mountpoint: str, since: float) -> list[dict]:
+    """The daemon's status, once published after ``since``, waited for PUBLISHED_WITHIN s at most."""
     deadline = time.monotonic() + PUBLISHED_WITHIN
     while True:
         items = _status(mountpoint)
         if all(item.get("published", 0) >= since for item in items) or time.monotonic() >= deadline:
-            break
+            return items
         time.sleep(0.1)
-
-    def under(kind: str) -> list[str]:
-        keys = {str(f.get("key")) for item in items for f in item.get("uploads", {}).get(kind, [])}
-        return sorted(k for k in keys if tree == "." or k == tree or k.startswith(tree + "/"))
-
-    return under("failed"), under("failed_deletes")
 
 
 def _status(mountpoint: str) -> list[dict]:

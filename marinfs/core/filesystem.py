@@ -210,7 +210,9 @@ class Filesystem:
     def sync(self, path: str) -> bytes:
         """``marinfs sync PATH`` (getxattr of ``user.marinfs.sync``): returns once every file
         closed under PATH before it is in the bucket; EIO if one's bytes are kept after a failed
-        commit. Answers how many are pending anywhere after it (for a progress line)."""
+        commit; EEXIST if one's went to a conflict name (someone else had written the name:
+        theirs stayed), once for each such file (not ESTALE: the kernel asks a path's getxattr
+        again after it, and the second answer would be 0)."""
         key = key_of(path)
         self.lookup(key)
         self.writes.barrier(key or None)
@@ -218,6 +220,11 @@ class Filesystem:
         if failed:
             raise FsError(errno.EIO, f"{len(failed)} file(s) under /{key} failed to upload and are kept: "
                           + ", ".join(failed[:5]))
+        conflicts = self.writes.sync_conflicts(key)
+        if conflicts:
+            raise FsError(errno.EEXIST, f"{len(conflicts)} file(s) under /{key} were changed by someone else "
+                          "before their upload; ours are beside: "
+                          + ", ".join(c["committed_as"] for c in conflicts[:5]))
         return b"0"
 
     def listxattr(self, path: str) -> list[str]:

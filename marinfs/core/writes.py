@@ -87,6 +87,8 @@ class Writes:
         self.failed_commits: list[FailedCommit] = []  # GUARDED_BY(lock): bytes kept on disk, retried
         # GUARDED_BY(lock): commits that found the object changed by someone else: key -> where the bytes went.
         self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
+        # GUARDED_BY(lock): those of them no `marinfs sync` has reported yet (sync_conflicts).
+        self._unsynced: deque[dict[str, str]] = deque(maxlen=1000)
         # GUARDED_BY(lock): directories made under a temporary directory that is renamed into place
         # (--write-back-hold, write-back): no marker in the bucket until the rename takes them out
         # of it, so Orbax's mkdirs and the rename of its inner temporary directory send nothing.
@@ -414,6 +416,23 @@ class Writes:
         kept += [d.key for d in (self.deletes.failed() if self.deletes is not None else []) if covered(d.key)]
         return sorted(set(kept))
 
+    def _conflict_locked(self, key: str, committed_as: str) -> None:
+        entry = {"key": key, "committed_as": committed_as}
+        self.conflicts.append(entry)
+        self._unsynced.append(entry)
+
+    def sync_conflicts(self, tree: str) -> list[dict[str, str]]:
+        """Conflicts in ``tree`` (all: "") no `marinfs sync` has reported yet, now reported: a
+        sync fails once for each, not every sync after it."""
+        def covered(key: str) -> bool:
+            return not tree or under(key, tree)
+
+        with self.lock:
+            taken = [c for c in self._unsynced if covered(c["key"])]
+            if taken:
+                self._unsynced = deque((c for c in self._unsynced if not covered(c["key"])), maxlen=1000)
+        return taken
+
     def failing(self) -> bool:
         """Something kept after a failure that the retry pass tries again."""
         return bool(self.failed_commits) or (self.deletes is not None and bool(self.deletes.failed()))
@@ -474,7 +493,7 @@ class Writes:
             self.metadata.invalidate(key)
             self.metadata.invalidate(done.committed_as)
             with self.lock:
-                self.conflicts.append({"key": key, "committed_as": done.committed_as})
+                self._conflict_locked(key, done.committed_as)
             self.on_commit(key, None)
             raise FsError(errno.ESTALE, f"{key} was changed by someone else since it was opened")
         version = done.version
@@ -666,7 +685,7 @@ class Writes:
             for r in results:
                 if r.committed_as is not None:
                     if r.conflict:
-                        self.conflicts.append({"key": r.key, "committed_as": r.committed_as})
+                        self._conflict_locked(r.key, r.committed_as)
                     continue
                 prev = current.get(r.staged) or before.get(r.staged)
                 if not r.tried and prev is not None:
