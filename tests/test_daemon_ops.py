@@ -79,8 +79,14 @@ def test_a_stop_signal_that_lands_on_a_python_thread_still_ends_the_daemon(
         while not os.path.ismount(mnt) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         tasks = Path(f"/proc/{proc.pid}/task")
+        def named(task: Path) -> str:
+            try:
+                return (task / "comm").read_text().strip()
+            except FileNotFoundError:  # (a short-lived thread ended meanwhile)
+                return ""
+
         # (a thread it starts has its name too, until that thread names itself: the oldest)
-        watch = sorted(int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == "marinfs-watch")
+        watch = sorted(int(t.name) for t in tasks.iterdir() if named(t) == "marinfs-watch")
         assert watch, "the stats loop runs as a thread of its own"
         os.kill(watch[0], sig)
         _, err = proc.communicate(timeout=30)

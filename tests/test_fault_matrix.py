@@ -733,7 +733,7 @@ def test_write_back_a_conflicting_writer_on_another_node_gets_their_object_and_o
         with subprocess_mount(s.url, other, tmp_path / "other-cache", *MOUNT_ARGS, env=s.env):
             for rel, data in theirs.items():
                 (other / rel).write_bytes(data)  # the other node's close commits
-        synced, _ = marinfs("sync", str(mnt), env=s.env)  # every byte landed, beside theirs: said once
+        synced, _ = marinfs("sync", "-q", str(mnt), env=s.env)  # every byte landed, beside theirs: said once
         assert synced.returncode == 1 and len(synced.stderr.strip().splitlines()) == 1, synced.stderr
         assert "changed by someone else" in synced.stderr and all(rel in synced.stderr for rel in ours), synced.stderr
         again, _ = marinfs("sync", str(mnt), env=s.env)

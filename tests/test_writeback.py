@@ -961,3 +961,20 @@ def test_through_a_mount_only_a_close_under_a_write_back_path_returns_before_the
         subprocess.run([sys.executable, "-m", "marinfs", "sync", "-q", str(mnt / "ckpt")], check=True,
                        env={**os.environ, **env}, timeout=120)
         assert m.remote_bytes("ckpt/weights") == weights
+
+
+@pytest.mark.unit
+def test_marinfs_sync_names_the_conflicts_it_was_told_of_not_older_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon answers a sync EEXIST for conflicts no sync reported yet and marks them
+    ``synced``; its status lists every conflict it had, so the CLI names those marked since it
+    asked, under its path."""
+    from marinfs.app import synccli
+
+    published = [{"published": 100.0, "uploads": {"conflicts": [
+        {"key": "a/old", "committed_as": "a/old.marinfs-conflict-1", "synced": 40.0},
+        {"key": "a/new", "committed_as": "a/new.marinfs-conflict-2", "synced": 60.0},
+        {"key": "b/new", "committed_as": "b/new.marinfs-conflict-3", "synced": 60.0}]}}]
+    monkeypatch.setattr(synccli, "_status", lambda mountpoint: published)
+    assert synccli._conflicts_under("/mnt/a", "/mnt", since=90.0, reported_after=50.0) == [
+        ("a/new", "a/new.marinfs-conflict-2")]
+    assert len(synccli._conflicts_under("/mnt", "/mnt", since=90.0, reported_after=50.0)) == 2

@@ -51,6 +51,8 @@ def sync(paths: list[str], quiet: bool = False) -> str:
 def _sync_one(path: str, mountpoint: str, quiet: bool) -> None:
     outcome: list[BaseException | None] = []
 
+    asked = time.time()
+
     def barrier() -> None:
         try:
             os.getxattr(path, XATTR_SYNC)
@@ -78,7 +80,7 @@ def _sync_one(path: str, mountpoint: str, quiet: bool) -> None:
         raise MarinfsError(f"{path}: {what} failed to upload{' or to delete' if deletes else ''}; {kept} kept "
                            f"and retried" + (f": {named}" if keys else "") + f" (see `marinfs status {mountpoint}`)")
     if isinstance(error, OSError) and error.errno == errno.EEXIST:
-        pairs = _conflicts_under(path, mountpoint, since=time.time())
+        pairs = _conflicts_under(path, mountpoint, since=time.time(), reported_after=asked)
         what = f"{len(pairs)} file{'s' * (len(pairs) != 1)}" if pairs else "files"
         named = ", ".join(f"{key} (ours: {copy})" for key, copy in pairs[:5])
         named += f" and {len(pairs) - 5} more" if len(pairs) > 5 else ""
@@ -103,12 +105,13 @@ def _failed_under(path: str, mountpoint: str, since: float) -> tuple[list[str], 
     return under("failed"), under("failed_deletes")
 
 
-def _conflicts_under(path: str, mountpoint: str, since: float) -> list[tuple[str, str]]:
-    """(key, where our bytes went) of the conflicts under ``path`` the daemon lists (every one
-    this mount has had there: the answer said some are new)."""
+def _conflicts_under(path: str, mountpoint: str, since: float, reported_after: float) -> list[tuple[str, str]]:
+    """(key, where our bytes went) of the conflicts under ``path`` that the daemon reported to
+    this sync (marked ``synced`` at or after ``reported_after``; older ones were someone's before)."""
     tree, items = os.path.relpath(path, mountpoint), _published(mountpoint, since)
     pairs = {(str(c.get("key")), str(c.get("committed_as"))) for item in items
-             for c in item.get("uploads", {}).get("conflicts", [])}
+             for c in item.get("uploads", {}).get("conflicts", [])
+             if float(c.get("synced") or 0) >= reported_after}
     return sorted(p for p in pairs if _in(p[0], tree))
 
 

@@ -86,9 +86,9 @@ class Writes:
         self.staged: dict[str, StagedFile] = {}  # GUARDED_BY(lock)
         self.failed_commits: list[FailedCommit] = []  # GUARDED_BY(lock): bytes kept on disk, retried
         # GUARDED_BY(lock): commits that found the object changed by someone else: key -> where the bytes went.
-        self.conflicts: deque[dict[str, str]] = deque(maxlen=1000)
+        self.conflicts: deque[dict[str, Any]] = deque(maxlen=1000)
         # GUARDED_BY(lock): those of them no `marinfs sync` has reported yet (sync_conflicts).
-        self._unsynced: deque[dict[str, str]] = deque(maxlen=1000)
+        self._unsynced: deque[dict[str, Any]] = deque(maxlen=1000)
         # GUARDED_BY(lock): directories made under a temporary directory that is renamed into place
         # (--write-back-hold, write-back): no marker in the bucket until the rename takes them out
         # of it, so Orbax's mkdirs and the rename of its inner temporary directory send nothing.
@@ -417,13 +417,14 @@ class Writes:
         return sorted(set(kept))
 
     def _conflict_locked(self, key: str, committed_as: str) -> None:
-        entry = {"key": key, "committed_as": committed_as}
+        entry: dict[str, Any] = {"key": key, "committed_as": committed_as}
         self.conflicts.append(entry)
         self._unsynced.append(entry)
 
-    def sync_conflicts(self, tree: str) -> list[dict[str, str]]:
+    def sync_conflicts(self, tree: str) -> list[dict[str, Any]]:
         """Conflicts in ``tree`` (all: "") no `marinfs sync` has reported yet, now reported: a
-        sync fails once for each, not every sync after it."""
+        sync fails once for each, not every sync after it. Each is marked with the time
+        (``synced``, in `marinfs status --json` too), so the sync names these, not older ones."""
         def covered(key: str) -> bool:
             return not tree or under(key, tree)
 
@@ -431,6 +432,9 @@ class Writes:
             taken = [c for c in self._unsynced if covered(c["key"])]
             if taken:
                 self._unsynced = deque((c for c in self._unsynced if not covered(c["key"])), maxlen=1000)
+                now = time.time()
+                for c in taken:
+                    c["synced"] = now
         return taken
 
     def failing(self) -> bool:
