@@ -428,3 +428,34 @@ def test_a_lookup_waits_briefly_for_its_directorys_listing_in_flight(
         assert time.monotonic() - t0 < 2.0 and not blocked.released.is_set()
     finally:
         blocked.release()
+
+
+@pytest.mark.unit
+def test_a_failed_listing_is_not_the_answer_once_we_changed_the_directory_since() -> None:
+    """A CI run's `ls` of a GCS mount's root showed nothing after a file was written there: a
+    background listing sent while the prefix had no object failed "not found" (gcsfs), the
+    file's commit landed meanwhile, and the readdir waiting for that listing got its error
+    (ENOENT, which readdir(3) takes as the end). A failure is the answer only while nothing of
+    ours changed there since it was sent; else the caller lists again."""
+    metadata = MetadataCache(ttl=5.0)
+    token = metadata.begin_listing("")
+    assert metadata.end_listing("", token, None)  # nothing changed: its error stands
+    token = metadata.begin_listing("")
+    metadata.put_own(ObjectInfo(name="fine", is_dir=False, size=2))
+    assert not metadata.end_listing("", token, None)
+    assert metadata.get_listing("") is None
+
+
+@pytest.mark.unit
+def test_the_mount_root_with_no_object_under_its_prefix_lists_empty(tmp_path: Path) -> None:
+    """gcsfs answers a listing of a prefix with no object "not found"; the mount's root is there
+    all the same (a directory under it with nothing left is not)."""
+    remote = Remote(f"memory://root-{os.getpid()}-{time.monotonic_ns()}")
+
+    def not_found(full: str, on_page: object = None) -> list:
+        raise FileNotFoundError(errno.ENOENT, "not found", full)
+
+    remote._list_entries = not_found  # type: ignore[method-assign]
+    assert remote.list("") == []
+    with pytest.raises(FileNotFoundError):
+        remote.list("gone")

@@ -203,21 +203,24 @@ class MetadataCache:
     def end_listing(self, key: str, token: int, children: Iterable[ObjectInfo] | None) -> bool:
         """Whether no local change in ``key`` whose outcome we do not know happened since
         begin_listing; if none did, cache ``children`` (None: the listing failed, nothing to
-        cache) with our own known changes since laid over them."""
+        cache) with our own known changes since laid over them. A failed listing answers False
+        too once any change of ours was made there since: its error (a directory with no
+        object left is "not found" on GCS) may be of before it, as a file created since."""
         with self._lock:
             own = self._own_since.pop(token, {})
             if not self._take_locked(self._fetching, key, token):
                 return False
-            if children is not None:
-                if own:
-                    listing = {c.name: c for c in children}
-                    for name, info in own.items():
-                        if info is None:
-                            listing.pop(name, None)
-                        else:
-                            listing[name] = info
-                    children = listing.values()
-                self._put_listing_locked(key, children)
+            if children is None:
+                return not own
+            if own:
+                listing = {c.name: c for c in children}
+                for name, info in own.items():
+                    if info is None:
+                        listing.pop(name, None)
+                    else:
+                        listing[name] = info
+                children = listing.values()
+            self._put_listing_locked(key, children)
             return True
 
     def _give_locked(self, in_flight: dict[str, set[int]], key: str) -> int:

@@ -366,7 +366,12 @@ class Remote:
         """The direct children of directory ``key`` (one delimited listing, never recursive).
         ``on_page`` sees the raw entries of each page as it lands (see ``_list_entries``)."""
         full = self.full(key)
-        entries = self._list_entries(full, on_page)
+        try:
+            entries = self._list_entries(full, on_page)
+        except FileNotFoundError:
+            if key:
+                raise
+            entries = []  # the mount's root is there with no object under its prefix (gcsfs: not found)
         result: dict[str, ObjectInfo] = {}
         links: dict[str, ObjectInfo] = {}
         for raw in entries:
