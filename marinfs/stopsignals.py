@@ -36,6 +36,7 @@ def leave_to_main_thread() -> None:
     workers) blocks them before its first line runs; the calling (main) thread takes them, even
     if whatever started the daemon had them blocked (a mask is inherited across fork and exec)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
     def first_line(frame: Any, event: str, arg: Any) -> None:
         sys.setprofile(None)  # (once: this thread runs unprofiled from here on)
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
